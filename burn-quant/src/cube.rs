@@ -1,0 +1,161 @@
+//! The device dequantization kernel for CubeCL backends (CUDA, wgpu).
+//!
+//! The codes travel as `u32` words (four codes each, little-endian), so the kernel reads only
+//! 32-bit words and decodes with integer operations: it needs no FP8 type support on the
+//! device and runs the same on CUDA and WGSL.
+
+use burn::tensor::{DType, FloatDType, Shape};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::{calculate_cube_count_elemwise, client::ComputeClient};
+
+use crate::backend::Fp8Backend;
+use crate::format::Fp8Format;
+use crate::quantize::{Fp8Spec, Fp8Tensor};
+
+#[cube]
+fn decode(code: u32, #[comptime] e4m3: bool) -> f32 {
+    let mantissa_bits = comptime!(if e4m3 { 3u32 } else { 2u32 });
+    let exponent_max = comptime!(if e4m3 { 15u32 } else { 31u32 });
+    let rebias = comptime!(if e4m3 { 120u32 } else { 112u32 });
+    let subnormal_step = comptime!(if e4m3 {
+        0.001953125f32 // 2^-9
+    } else {
+        0.0000152587890625f32 // 2^-16
+    });
+
+    let sign = (code & 0x80u32) << 24u32;
+    let exponent = (code >> mantissa_bits) & exponent_max;
+    let mantissa = code & ((1u32 << mantissa_bits) - 1u32);
+    let mut bits = ((exponent + rebias) << 23u32) | (mantissa << (23u32 - mantissa_bits));
+    if exponent == 0u32 {
+        bits = u32::reinterpret(f32::cast_from(mantissa) * subnormal_step);
+    }
+    if comptime!(e4m3) {
+        if (code & 0x7fu32) == 0x7fu32 {
+            bits = 0x7fc0_0000u32;
+        }
+    } else if exponent == exponent_max {
+        bits = if mantissa == 0u32 {
+            0x7f80_0000u32
+        } else {
+            0x7fc0_0000u32
+        };
+    }
+    f32::reinterpret(bits | sign)
+}
+
+#[cube(launch)]
+fn dequantize_kernel<F: Float>(
+    words: &Array<u32>,
+    scales: &Array<f32>,
+    output: &mut Array<F>,
+    numel: usize,
+    cols: usize,
+    block_len: usize,
+    blocks_per_row: usize,
+    #[comptime] e4m3: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let word_index = ABSOLUTE_POS;
+    if word_index >= words.len() {
+        terminate!();
+    }
+    let word = words[word_index];
+    #[unroll]
+    for k in 0..4usize {
+        let i = word_index * 4 + k;
+        if i < numel {
+            let code = (word >> (8u32 * k as u32)) & 0xffu32;
+            let scale = scales[(i / cols) * blocks_per_row + (i % cols) / block_len];
+            output[i] = F::cast_from(decode(code, e4m3) * scale);
+        }
+    }
+}
+
+/// Decodes FP8 codes already on the device into a new contiguous float tensor.
+///
+/// `codes` holds `ceil(numel / 4)` little-endian `u32` words (the codes in row-major order,
+/// zero-padded to a multiple of four bytes); `scales` holds `layout.count()` f32 values.
+/// This is the entry point for callers that upload the codes themselves (e.g. into a ring of
+/// device buffers); [`Fp8Backend::fp8_dequantize`] uploads and calls it.
+pub fn dequantize_codes<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    codes: Handle,
+    scales: Handle,
+    spec: &Fp8Spec,
+    dtype: FloatDType,
+) -> CubeTensor<R> {
+    let numel = spec.numel();
+    let layout = spec.layout();
+    let words = numel.div_ceil(4);
+    let dtype = DType::from(dtype);
+    let output = empty_device_contiguous_dtype(
+        client.clone(),
+        device.clone(),
+        Shape::from(spec.shape.clone()),
+        dtype,
+    );
+    if numel == 0 {
+        return output;
+    }
+    let cube_dim = CubeDim::new(client, words);
+    let cube_count = calculate_cube_count_elemwise(client, words, cube_dim);
+    // SAFETY: the lengths given match the buffers' sizes: `words` u32 words of codes and
+    // `layout.count()` f32 scales, checked by the callers, and `numel` outputs just allocated.
+    let (codes, scales, out) = unsafe {
+        (
+            ArrayArg::from_raw_parts(codes, words),
+            ArrayArg::from_raw_parts(scales, layout.count()),
+            ArrayArg::from_raw_parts(output.handle.clone(), numel),
+        )
+    };
+    dequantize_kernel::launch(
+        client,
+        cube_count,
+        cube_dim,
+        codes,
+        scales,
+        out,
+        numel,
+        layout.cols.max(1),
+        layout.block_len.max(1),
+        layout.blocks_per_row,
+        spec.format == Fp8Format::E4M3,
+        dtype.into(),
+    );
+    output
+}
+
+/// The codes of `tensor` as bytes padded to whole `u32` words.
+pub fn padded_codes(tensor: &Fp8Tensor) -> Vec<u8> {
+    let mut bytes = tensor.data.clone();
+    bytes.resize(tensor.data.len().next_multiple_of(4), 0);
+    bytes
+}
+
+impl<R, F, I, BT> Fp8Backend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn fp8_dequantize(tensor: &Fp8Tensor, device: &R::Device, dtype: FloatDType) -> CubeTensor<R> {
+        let client = R::client(device);
+        let codes = client.create_from_slice(&padded_codes(tensor));
+        let scales = client.create_from_slice(bytemuck::cast_slice(&tensor.scales));
+        dequantize_codes(
+            &client,
+            device,
+            codes,
+            scales,
+            &tensor.spec,
+            dtype,
+        )
+    }
+}

@@ -1,0 +1,766 @@
+//! Reading and writing adapter files: kohya / LyCORIS and PEFT / diffusers safetensors.
+//!
+//! | style | LoRA keys | alpha |
+//! | --- | --- | --- |
+//! | kohya | `lora_unet_<path_with_underscores>.lora_down.weight`, `.lora_up.weight` | `.alpha`, f32 scalar |
+//! | PEFT / diffusers | `transformer.<path>.lora_A.weight`, `.lora_B.weight` | `lora_adapter_metadata` entry, or baked into `lora_B` |
+//!
+//! LoKr adapters use `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a` + `.lokr_w2_b`, and always an
+//! `.alpha` f32 scalar, under either naming. Every file carries the metadata listed in
+//! [`save`]. Files are written to a temporary file in the target directory, synced, then
+//! renamed over the target.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::Path;
+
+use burn::tensor::{DType, TensorData};
+use regex::Regex;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::{Map, Value, json};
+
+use crate::LoraError;
+use crate::set::{
+    AdapterSet, LokrFactor, LoraMetadata, Matrix, Origin, Role, StoredAdapter, flatten_name,
+};
+
+/// The naming style of a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// kohya sd-scripts / LyCORIS: `lora_unet_<path_with_underscores>.lora_down.weight`.
+    Kohya,
+    /// PEFT / diffusers: `transformer.<path>.lora_A.weight`.
+    Peft,
+}
+
+/// Where a PEFT file keeps the LoRA alpha.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeftAlpha {
+    /// In the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`, `alpha_pattern`).
+    Metadata,
+    /// Multiplied into `lora_B`, so that `alpha = rank`: what loaders assume without metadata.
+    Baked,
+}
+
+/// How to write a file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SaveOptions {
+    /// The naming style.
+    pub format: Format,
+    /// The key prefix; `None` means `lora_unet` (kohya) or `transformer` (PEFT).
+    pub prefix: Option<String>,
+    /// Where a PEFT file keeps alpha.
+    pub peft_alpha: PeftAlpha,
+    /// Convert the weights to this dtype; `None` keeps each tensor's dtype.
+    pub dtype: Option<DType>,
+}
+
+impl SaveOptions {
+    /// kohya naming with the `lora_unet` prefix.
+    pub fn kohya() -> Self {
+        Self {
+            format: Format::Kohya,
+            prefix: None,
+            peft_alpha: PeftAlpha::Metadata,
+            dtype: None,
+        }
+    }
+
+    /// PEFT / diffusers naming with the `transformer` prefix and alpha in metadata.
+    pub fn peft() -> Self {
+        Self {
+            format: Format::Peft,
+            ..Self::kohya()
+        }
+    }
+
+    /// Default options for `format`.
+    pub fn for_format(format: Format) -> Self {
+        match format {
+            Format::Kohya => Self::kohya(),
+            Format::Peft => Self::peft(),
+        }
+    }
+
+    fn prefix(&self) -> &str {
+        match (&self.prefix, self.format) {
+            (Some(p), _) => p,
+            (None, Format::Kohya) => KOHYA_PREFIXES[0],
+            (None, Format::Peft) => "transformer",
+        }
+    }
+}
+
+/// Metadata key: the kohya network module (`networks.lora` or `lycoris.kohya`).
+pub const META_NETWORK_MODULE: &str = "ss_network_module";
+/// Metadata key: network arguments as JSON; `algo` is `lora`, `locon` or `lokr`.
+pub const META_NETWORK_ARGS: &str = "ss_network_args";
+/// Metadata key: the rank (the most common one).
+pub const META_RANK: &str = "ss_network_dim";
+/// Metadata key: the alpha (the most common one).
+pub const META_ALPHA: &str = "ss_network_alpha";
+/// Metadata key: the base model name.
+pub const META_BASE_MODEL: &str = "ss_sd_model_name";
+/// Metadata key: the training step.
+pub const META_STEP: &str = "ss_steps";
+/// Metadata key: JSON list of module paths, so kohya names map back to paths.
+pub const META_MODULES: &str = "burn_lora_modules";
+/// Metadata key diffusers reads LoRA config (alpha, patterns) from.
+pub const META_PEFT_CONFIG: &str = "lora_adapter_metadata";
+
+const DERIVED_KEYS: [&str; 8] = [
+    META_NETWORK_MODULE,
+    META_NETWORK_ARGS,
+    META_RANK,
+    META_ALPHA,
+    META_BASE_MODEL,
+    META_STEP,
+    META_MODULES,
+    META_PEFT_CONFIG,
+];
+
+const KOHYA_PREFIXES: [&str; 2] = ["lora_unet", "lora_transformer"];
+const PEFT_PREFIXES: [&str; 5] = [
+    "base_model.model",
+    "model.diffusion_model",
+    "diffusion_model",
+    "transformer",
+    "unet",
+];
+
+fn io_error(file: &Path) -> impl FnOnce(std::io::Error) -> LoraError + '_ {
+    move |source| LoraError::Io {
+        file: file.to_path_buf(),
+        source,
+    }
+}
+
+fn st_error(file: &Path) -> impl FnOnce(safetensors::SafeTensorError) -> LoraError + '_ {
+    move |source| LoraError::Safetensors {
+        file: file.to_path_buf(),
+        source,
+    }
+}
+
+fn to_st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F64 => Dtype::F64,
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        other => unreachable!("adapter weights are float tensors, got {other:?}"),
+    }
+}
+
+fn from_st_dtype(dtype: Dtype) -> Option<DType> {
+    match dtype {
+        Dtype::F64 => Some(DType::F64),
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F16 => Some(DType::F16),
+        Dtype::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+fn scalar(value: f32) -> TensorData {
+    TensorData::new(vec![value], Vec::<usize>::new())
+}
+
+/// Writes `set` to `path`.
+///
+/// Metadata written: `format = pt`; [`META_NETWORK_MODULE`], [`META_NETWORK_ARGS`] (network
+/// type), [`META_RANK`], [`META_ALPHA`] (the most common values), [`META_BASE_MODEL`] and
+/// [`META_STEP`] when known; kohya files whose module paths contain dots also get
+/// [`META_MODULES`]; PEFT files with alpha in metadata get [`META_PEFT_CONFIG`]. Other entries
+/// of `set.metadata.extra` are kept.
+pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), LoraError> {
+    if options.format == Format::Peft && set.has_flat_names() {
+        let key = set.iter().next().map(|(n, _)| n.to_string()).unwrap_or_default();
+        return Err(LoraError::UnresolvedName { key });
+    }
+    let prefix = options.prefix();
+    let mut tensors: Vec<(String, TensorData)> = Vec::new();
+    let mut peft_alphas: Vec<(String, usize, f32)> = Vec::new();
+    for (name, adapter) in set.iter() {
+        let adapter = match options.dtype {
+            Some(dtype) => adapter.with_dtype(dtype),
+            None => adapter.clone(),
+        };
+        let (module, suffix): (String, fn(Role) -> &'static str) = match options.format {
+            Format::Kohya => (format!("{prefix}_{}", flatten_name(name)), Role::kohya_suffix),
+            Format::Peft if prefix.is_empty() => (name.to_string(), Role::peft_suffix),
+            Format::Peft => (format!("{prefix}.{name}"), Role::peft_suffix),
+        };
+        let mut push = |role: Role, data: TensorData| {
+            tensors.push((format!("{module}{}", suffix(role)), data));
+        };
+        match (&adapter, options.format) {
+            (StoredAdapter::Lora { down, up, alpha }, Format::Peft) => {
+                let rank = down.shape[0];
+                push(Role::Down, down.clone());
+                match options.peft_alpha {
+                    PeftAlpha::Metadata => {
+                        push(Role::Up, up.clone());
+                        peft_alphas.push((name.to_string(), rank, *alpha));
+                    }
+                    PeftAlpha::Baked => {
+                        let scale = *alpha as f64 / rank as f64;
+                        let baked = Matrix::from_data(up)
+                            .scaled(scale)
+                            .into_data(up.shape.to_vec(), up.dtype);
+                        push(Role::Up, baked);
+                    }
+                }
+            }
+            (adapter, _) => {
+                for (role, data) in adapter.tensors() {
+                    push(role, data.clone());
+                }
+                push(Role::Alpha, scalar(adapter.alpha()));
+            }
+        }
+    }
+
+    let mut metadata: HashMap<String, String> = set
+        .metadata
+        .extra
+        .iter()
+        .filter(|(k, _)| !DERIVED_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.insert("format".into(), "pt".into());
+    metadata.extend(network_metadata(set));
+    if let Some(base) = &set.metadata.base_model {
+        metadata.insert(META_BASE_MODEL.into(), base.clone());
+    }
+    if let Some(step) = set.metadata.step {
+        metadata.insert(META_STEP.into(), step.to_string());
+    }
+    if options.format == Format::Kohya && set.iter().any(|(n, _)| n.contains('.')) {
+        let names: Vec<&str> = set.iter().map(|(n, _)| n).collect();
+        metadata.insert(META_MODULES.into(), json!(names).to_string());
+    }
+    if !peft_alphas.is_empty() {
+        metadata.insert(
+            META_PEFT_CONFIG.into(),
+            peft_config_json(&peft_alphas, prefix).to_string(),
+        );
+    }
+    write_atomic(path, &tensors, metadata)
+}
+
+/// The most common value, ties broken by the smallest.
+fn most_common<T: Ord + Copy>(values: impl IntoIterator<Item = T>) -> Option<T> {
+    let mut counts: BTreeMap<T, usize> = BTreeMap::new();
+    for v in values {
+        *counts.entry(v).or_default() += 1;
+    }
+    let best = counts.values().copied().max()?;
+    counts.into_iter().find(|(_, c)| *c == best).map(|(v, _)| v)
+}
+
+fn format_alpha(alpha: f32) -> String {
+    format!("{alpha}")
+}
+
+fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let adapters: Vec<&StoredAdapter> = set.iter().map(|(_, a)| a).collect();
+    if adapters.is_empty() {
+        return out;
+    }
+    let lokr = adapters
+        .iter()
+        .any(|a| matches!(a, StoredAdapter::Lokr { .. }));
+    let conv = adapters
+        .iter()
+        .any(|a| a.tensors().iter().any(|(_, t)| t.shape.len() == 4));
+    let algo = match (lokr, conv) {
+        (true, _) => "lokr",
+        (false, true) => "locon",
+        (false, false) => "lora",
+    };
+    let module = if lokr { "lycoris.kohya" } else { "networks.lora" };
+    out.push((META_NETWORK_MODULE.into(), module.into()));
+    out.push((META_NETWORK_ARGS.into(), json!({ "algo": algo }).to_string()));
+    if let Some(rank) = most_common(adapters.iter().filter_map(|a| a.rank())) {
+        out.push((META_RANK.into(), rank.to_string()));
+    }
+    if let Some(bits) = most_common(adapters.iter().map(|a| a.alpha().to_bits())) {
+        out.push((META_ALPHA.into(), format_alpha(f32::from_bits(bits))));
+    }
+    out
+}
+
+/// The LoraConfig fields diffusers reads back, keys prefixed by the component name.
+fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
+    let r = most_common(alphas.iter().map(|(_, r, _)| *r)).expect("not empty");
+    let alpha_bits =
+        most_common(alphas.iter().map(|(_, _, a)| a.to_bits())).expect("not empty");
+    let lora_alpha = f32::from_bits(alpha_bits);
+    let mut rank_pattern = Map::new();
+    let mut alpha_pattern = Map::new();
+    for (name, rank, alpha) in alphas {
+        if *rank != r {
+            rank_pattern.insert(name.clone(), json!(rank));
+        }
+        if alpha.to_bits() != alpha_bits {
+            alpha_pattern.insert(name.clone(), json!(alpha));
+        }
+    }
+    let names: Vec<&str> = alphas.iter().map(|(n, _, _)| n.as_str()).collect();
+    let key = |field: &str| {
+        if prefix.is_empty() {
+            field.to_string()
+        } else {
+            format!("{prefix}.{field}")
+        }
+    };
+    let mut config = Map::new();
+    config.insert(key("r"), json!(r));
+    config.insert(key("lora_alpha"), json!(lora_alpha));
+    config.insert(key("rank_pattern"), Value::Object(rank_pattern));
+    config.insert(key("alpha_pattern"), Value::Object(alpha_pattern));
+    config.insert(key("target_modules"), json!(names));
+    Value::Object(config)
+}
+
+fn write_atomic(
+    path: &Path,
+    tensors: &[(String, TensorData)],
+    metadata: HashMap<String, String>,
+) -> Result<(), LoraError> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix(".burn-lora-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(io_error(path))?;
+    let views = tensors
+        .iter()
+        .map(|(key, data)| {
+            TensorView::new(to_st_dtype(data.dtype), data.shape.to_vec(), data.as_bytes())
+                .map(|view| (key.clone(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(st_error(path))?;
+    safetensors::serialize_to_file(views, Some(metadata), tmp.path()).map_err(st_error(path))?;
+    File::open(tmp.path())
+        .and_then(|f| f.sync_all())
+        .map_err(io_error(path))?;
+    tmp.persist(path).map_err(|e| io_error(path)(e.error))?;
+    Ok(())
+}
+
+/// How a module key of a file is named.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ModuleKey {
+    kohya: bool,
+    prefix: String,
+    name: String,
+}
+
+fn classify(module: &str) -> Option<ModuleKey> {
+    if !module.contains('.') {
+        return KOHYA_PREFIXES.iter().find_map(|p| {
+            module
+                .strip_prefix(p)
+                .and_then(|rest| rest.strip_prefix('_'))
+                .map(|name| ModuleKey {
+                    kohya: true,
+                    prefix: p.to_string(),
+                    name: name.to_string(),
+                })
+        });
+    }
+    let key = PEFT_PREFIXES
+        .iter()
+        .find_map(|p| {
+            module
+                .strip_prefix(p)
+                .and_then(|rest| rest.strip_prefix('.'))
+                .map(|name| ModuleKey {
+                    kohya: false,
+                    prefix: p.to_string(),
+                    name: name.to_string(),
+                })
+        })
+        .unwrap_or(ModuleKey {
+            kohya: false,
+            prefix: String::new(),
+            name: module.to_string(),
+        });
+    Some(key)
+}
+
+/// The PEFT LoRA config that gives alphas: `lora_alpha`, `alpha_pattern`, `use_rslora`.
+#[derive(Debug, Default)]
+struct PeftConfig {
+    lora_alpha: Option<f64>,
+    alpha_pattern: Vec<(String, f64)>,
+    rslora: bool,
+}
+
+impl PeftConfig {
+    fn parse(value: &Value, prefix: &str, file: &Path, key: &str) -> Result<Self, LoraError> {
+        let err = |reason: String| LoraError::Metadata {
+            file: file.to_path_buf(),
+            key: key.to_string(),
+            reason,
+        };
+        let object = value
+            .as_object()
+            .ok_or_else(|| err("expected a JSON object".into()))?;
+        let field = |name: &str| {
+            let prefixed = format!("{prefix}.{name}");
+            object.get(&prefixed).or_else(|| object.get(name))
+        };
+        let lora_alpha = match field("lora_alpha") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_f64()
+                    .ok_or_else(|| err(format!("lora_alpha {v} is not a number")))?,
+            ),
+        };
+        let mut alpha_pattern = Vec::new();
+        if let Some(Value::Object(patterns)) = field("alpha_pattern") {
+            for (pattern, v) in patterns {
+                let alpha = v
+                    .as_f64()
+                    .ok_or_else(|| err(format!("alpha_pattern `{pattern}` is not a number")))?;
+                alpha_pattern.push((pattern.clone(), alpha));
+            }
+        }
+        let rslora = field("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+        Ok(Self {
+            lora_alpha,
+            alpha_pattern,
+            rslora,
+        })
+    }
+
+    /// The plain alpha (`scale · rank`) of module `name` with rank `rank`, PEFT's rules:
+    /// an exact pattern, else the first pattern matching the end of the path, else
+    /// `lora_alpha`, else `rank`.
+    fn alpha(&self, name: &str, rank: usize) -> f64 {
+        let pattern = self
+            .alpha_pattern
+            .iter()
+            .find(|(p, _)| p == name)
+            .or_else(|| {
+                self.alpha_pattern.iter().find(|(p, _)| {
+                    Regex::new(&format!(r"^(.*\.)?(?:{p})$"))
+                        .map(|r| r.is_match(name))
+                        .unwrap_or(false)
+                })
+            })
+            .map(|(_, a)| *a);
+        let alpha = pattern.or(self.lora_alpha).unwrap_or(rank as f64);
+        if self.rslora {
+            alpha * (rank as f64).sqrt()
+        } else {
+            alpha
+        }
+    }
+}
+
+fn read_scalar(view: &TensorView<'_>, file: &Path, key: &str) -> Result<f32, LoraError> {
+    let err = |reason: String| LoraError::Metadata {
+        file: file.to_path_buf(),
+        key: key.to_string(),
+        reason,
+    };
+    if view.shape().iter().product::<usize>() != 1 {
+        return Err(err(format!(
+            "alpha must be a scalar, found shape {:?}",
+            view.shape()
+        )));
+    }
+    let dtype = from_st_dtype(view.dtype())
+        .ok_or_else(|| err(format!("alpha has dtype {:?}", view.dtype())))?;
+    let value = TensorData::from_bytes_vec(view.data().to_vec(), [1], dtype)
+        .convert_dtype(DType::F32)
+        .into_vec::<f32>()
+        .expect("converted to f32")[0];
+    Ok(value)
+}
+
+/// Reads an adapter file of either style (detected from its keys).
+///
+/// PEFT alphas come from `.alpha` tensors, else the `lora_adapter_metadata` entry, else an
+/// `adapter_config.json` next to the file (what PEFT's `save_pretrained` writes), else `rank`.
+/// Keys that are not adapter tensors of the diffusion model are listed in
+/// [`AdapterSet::unrecognized_keys`].
+pub fn load(path: &Path) -> Result<AdapterSet, LoraError> {
+    let file = File::open(path).map_err(io_error(path))?;
+    // SAFETY: the mapping is read-only and dropped before returning; the file must not be
+    // truncated meanwhile, as with any memory-mapped read.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error(path))?;
+    let (_, header) = SafeTensors::read_metadata(&mmap).map_err(st_error(path))?;
+    let file_metadata = header.metadata().clone().unwrap_or_default();
+    let tensors = SafeTensors::deserialize(&mmap).map_err(st_error(path))?;
+
+    let mut groups: BTreeMap<ModuleKey, BTreeMap<Role, (String, TensorView<'_>)>> =
+        BTreeMap::new();
+    let mut unrecognized = Vec::new();
+    for (key, view) in tensors.iter() {
+        match Role::split_key(key).and_then(|(m, role)| classify(m).map(|k| (k, role))) {
+            Some((module, role)) => {
+                groups
+                    .entry(module)
+                    .or_default()
+                    .insert(role, (key.to_string(), view));
+            }
+            None => unrecognized.push(key.to_string()),
+        }
+    }
+    let kohya = groups.keys().filter(|k| k.kohya).count() * 2 >= groups.len() && !groups.is_empty();
+    let prefix = most_common(
+        groups
+            .keys()
+            .filter(|k| k.kohya == kohya)
+            .map(|k| k.prefix.as_str()),
+    )
+    .unwrap_or_default()
+    .to_string();
+
+    let peft_config = if kohya {
+        PeftConfig::default()
+    } else {
+        peft_config(path, &file_metadata, &prefix)?
+    };
+
+    let mut adapters = BTreeMap::new();
+    for (module, mut roles) in groups {
+        if module.kohya != kohya || module.prefix != prefix {
+            unrecognized.extend(roles.into_values().map(|(key, _)| key));
+            continue;
+        }
+        let alpha = roles
+            .remove(&Role::Alpha)
+            .map(|(key, view)| read_scalar(&view, path, &key).map(|a| (key, a)))
+            .transpose()?;
+        let Some(first_key) = roles.values().next().map(|(k, _)| k.clone()) else {
+            unrecognized.extend(alpha.map(|(key, _)| key));
+            continue;
+        };
+        let alpha = alpha.map(|(_, a)| a);
+        let mut data = read_tensors(roles, path)?;
+        let mut take = |role: Role| data.remove(&role);
+        let missing = |role: Role| LoraError::Incomplete {
+            file: path.to_path_buf(),
+            key: first_key.clone(),
+            missing: if module.kohya {
+                role.kohya_suffix()
+            } else {
+                role.peft_suffix()
+            }
+            .to_string(),
+        };
+        let adapter = match (take(Role::Down), take(Role::Up), take(Role::W1)) {
+            (Some(down), Some(up), None) => {
+                let rank = down.shape[0];
+                let alpha = alpha.map(f64::from).unwrap_or_else(|| {
+                    if module.kohya {
+                        rank as f64
+                    } else {
+                        peft_config.alpha(&module.name, rank)
+                    }
+                });
+                StoredAdapter::Lora {
+                    down,
+                    up,
+                    alpha: alpha as f32,
+                }
+            }
+            (Some(_), None, None) => return Err(missing(Role::Up)),
+            (None, Some(_), None) => return Err(missing(Role::Down)),
+            (None, None, Some(w1)) => {
+                let w2 = match (take(Role::W2), take(Role::W2A), take(Role::W2B)) {
+                    (Some(w2), None, None) => LokrFactor::Full(w2),
+                    (None, Some(a), Some(b)) => LokrFactor::LowRank { a, b },
+                    (None, Some(_), None) => return Err(missing(Role::W2B)),
+                    (None, None, Some(_)) => return Err(missing(Role::W2A)),
+                    _ => return Err(missing(Role::W2)),
+                };
+                let default = match &w2 {
+                    LokrFactor::LowRank { b, .. } => b.shape[0] as f32,
+                    LokrFactor::Full(_) => 1.0,
+                };
+                StoredAdapter::Lokr {
+                    w1,
+                    w2,
+                    alpha: alpha.unwrap_or(default),
+                }
+            }
+            (None, None, None) => return Err(missing(Role::W1)),
+            _ => {
+                return Err(LoraError::Metadata {
+                    file: path.to_path_buf(),
+                    key: first_key,
+                    reason: "mixes LoRA and LoKr tensors".into(),
+                });
+            }
+        };
+        adapters.insert(module.name, adapter);
+    }
+
+    let mut metadata = LoraMetadata {
+        extra: file_metadata.into_iter().collect(),
+        ..LoraMetadata::default()
+    };
+    metadata.base_model = metadata.extra.get(META_BASE_MODEL).cloned();
+    metadata.step = metadata.extra.get(META_STEP).and_then(|s| s.parse().ok());
+    let mut set = AdapterSet::new(metadata).with_flat_names(kohya);
+    set.origin = Some(Origin {
+        file: path.to_path_buf(),
+        kohya,
+        prefix,
+    });
+    set.unrecognized = unrecognized;
+    set.replace_adapters(adapters);
+    if kohya && let Some(names) = set.metadata.extra.get(META_MODULES).cloned() {
+        let names: Vec<String> =
+            serde_json::from_str(&names).map_err(json_error(path, META_MODULES))?;
+        set.resolve_names(names.iter().map(String::as_str))?;
+    }
+    Ok(set)
+}
+
+/// The weight tensors of a module, converted to `TensorData`.
+fn read_tensors(
+    roles: BTreeMap<Role, (String, TensorView<'_>)>,
+    file: &Path,
+) -> Result<BTreeMap<Role, TensorData>, LoraError> {
+    roles
+        .into_iter()
+        .map(|(role, (key, view))| {
+            let dtype = from_st_dtype(view.dtype()).ok_or_else(|| LoraError::Dtype {
+                file: file.to_path_buf(),
+                key,
+                dtype: format!("{:?}", view.dtype()),
+            })?;
+            let data =
+                TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
+            Ok((role, data))
+        })
+        .collect()
+}
+
+fn json_error(file: &Path, key: &str) -> impl FnOnce(serde_json::Error) -> LoraError {
+    let (file, key) = (file.to_path_buf(), key.to_string());
+    move |e| LoraError::Metadata {
+        file,
+        key,
+        reason: e.to_string(),
+    }
+}
+
+fn peft_config(
+    path: &Path,
+    metadata: &HashMap<String, String>,
+    prefix: &str,
+) -> Result<PeftConfig, LoraError> {
+    if let Some(raw) = metadata.get(META_PEFT_CONFIG) {
+        let value: Value =
+            serde_json::from_str(raw).map_err(json_error(path, META_PEFT_CONFIG))?;
+        return PeftConfig::parse(&value, prefix, path, META_PEFT_CONFIG);
+    }
+    let sidecar = path.with_file_name("adapter_config.json");
+    if sidecar.is_file() {
+        let raw = std::fs::read_to_string(&sidecar).map_err(io_error(&sidecar))?;
+        let value: Value =
+            serde_json::from_str(&raw).map_err(json_error(&sidecar, "adapter_config.json"))?;
+        return PeftConfig::parse(&value, prefix, &sidecar, "adapter_config.json");
+    }
+    Ok(PeftConfig::default())
+}
+
+/// What [`convert`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvertReport {
+    /// Number of adapters written.
+    pub adapters: usize,
+    /// Number of adapter weights written.
+    pub params: usize,
+    /// Input keys that were not converted (not adapter tensors of the diffusion model).
+    pub dropped: Vec<String>,
+}
+
+/// Converts an adapter file to another naming style (`burnlora convert-lora --to kohya|peft`).
+///
+/// Adapters, alphas and metadata are kept; PEFT output keeps the input's PEFT prefix and
+/// writes alpha into metadata. A kohya file from another tool has lost the dots of its module
+/// paths: converting it to PEFT fails with [`LoraError::UnresolvedName`] (read it with [`load`],
+/// call [`AdapterSet::resolve_names`] with the model's module paths, then [`save`]).
+pub fn convert(input: &Path, output: &Path, to: Format) -> Result<ConvertReport, LoraError> {
+    let set = load(input)?;
+    let mut options = SaveOptions::for_format(to);
+    if let Some(origin) = &set.origin
+        && to == Format::Peft
+        && !origin.kohya
+    {
+        options.prefix = Some(origin.prefix.clone());
+    }
+    save(&set, output, &options)?;
+    Ok(ConvertReport {
+        adapters: set.len(),
+        params: set.num_params(),
+        dropped: set.unrecognized_keys().to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classify_module_keys() {
+        assert_eq!(
+            classify("lora_unet_double_blocks_0_img_attn_qkv"),
+            Some(ModuleKey {
+                kohya: true,
+                prefix: "lora_unet".into(),
+                name: "double_blocks_0_img_attn_qkv".into()
+            })
+        );
+        assert_eq!(classify("lora_te1_text_model_encoder_layers_0_mlp_fc1"), None);
+        assert_eq!(
+            classify("base_model.model.blocks.0.proj").map(|k| (k.prefix, k.name)),
+            Some(("base_model.model".into(), "blocks.0.proj".into()))
+        );
+        assert_eq!(
+            classify("blocks.0.proj").map(|k| (k.prefix, k.name)),
+            Some((String::new(), "blocks.0.proj".into()))
+        );
+    }
+
+    #[test]
+    fn peft_alpha_rules() {
+        let value = json!({
+            "transformer.lora_alpha": 8,
+            "transformer.alpha_pattern": {"blocks.1.proj": 2, "out": 3.5},
+        });
+        let cfg = PeftConfig::parse(&value, "transformer", Path::new("f"), "k").unwrap();
+        assert_eq!(cfg.alpha("blocks.1.proj", 4), 2.0);
+        assert_eq!(cfg.alpha("blocks.11.proj", 4), 8.0);
+        assert_eq!(cfg.alpha("head.out", 4), 3.5);
+        assert_eq!(cfg.alpha("head.output", 4), 8.0);
+        let rs = json!({"lora_alpha": 8, "use_rslora": true});
+        let cfg = PeftConfig::parse(&rs, "", Path::new("f"), "k").unwrap();
+        // scale alpha / sqrt(r) = 2 at r = 16, i.e. plain alpha 32.
+        assert_eq!(cfg.alpha("x", 16), 32.0);
+        assert_eq!(PeftConfig::default().alpha("x", 16), 16.0);
+    }
+
+    #[test]
+    fn most_common_breaks_ties_low() {
+        assert_eq!(most_common([4, 8, 8, 4, 2]), Some(4));
+        assert_eq!(most_common([16, 16, 4]), Some(16));
+        assert_eq!(most_common(Vec::<usize>::new()), None);
+    }
+}

@@ -10,9 +10,7 @@ const SHAPE: [usize; 2] = [3072, 3072];
 
 fn inputs() -> (Vec<u8>, Vec<u8>) {
     let n = SHAPE[0] * SHAPE[1];
-    let values: Vec<f32> = (0..n)
-        .map(|i| ((i as f32) * 0.618).sin() * 0.02)
-        .collect();
+    let values: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.618).sin() * 0.02).collect();
     let f32_bytes = bytemuck::cast_slice(&values).to_vec();
     let bf16_bytes = values
         .iter()
@@ -26,7 +24,10 @@ fn quantize(c: &mut Criterion) {
     let all_cores = rayon::current_num_threads();
     let mut group = c.benchmark_group("quantize_e4m3");
     group.sample_size(10);
-    for (dtype, bytes) in [(FloatDtype::F32, &f32_bytes), (FloatDtype::BF16, &bf16_bytes)] {
+    for (dtype, bytes) in [
+        (FloatDtype::F32, &f32_bytes),
+        (FloatDtype::BF16, &bf16_bytes),
+    ] {
         group.throughput(Throughput::Bytes(bytes.len() as u64));
         let src = FloatBytes::new(dtype, bytes).unwrap();
         for granularity in Granularity::ALL {
@@ -35,10 +36,15 @@ fn quantize(c: &mut Criterion) {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                let id = BenchmarkId::new(format!("{dtype:?}/{granularity}"), format!("{threads}-cores"));
+                let id = BenchmarkId::new(
+                    format!("{dtype:?}/{granularity}"),
+                    format!("{threads}-cores"),
+                );
                 group.bench_function(id, |b| {
                     b.iter(|| {
-                        pool.install(|| Fp8Tensor::quantize(src, &SHAPE, Fp8Format::E4M3, granularity))
+                        pool.install(|| {
+                            Fp8Tensor::quantize(src, &SHAPE, Fp8Format::E4M3, granularity)
+                        })
                     })
                 });
             }

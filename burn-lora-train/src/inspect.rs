@@ -14,8 +14,8 @@ pub struct InspectArgs {
 
 /// Prints one line per tensor (key, dtype, shape, bytes), the totals and the metadata.
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let ckpt =
-        Checkpoint::open(&args.file).with_context(|| format!("inspecting {}", args.file.display()))?;
+    let ckpt = Checkpoint::open(&args.file)
+        .with_context(|| format!("inspecting {}", args.file.display()))?;
     let width = ckpt.tensors().map(|t| t.name.len()).max().unwrap_or(0);
     let mut total = 0u64;
     for t in ckpt.tensors() {

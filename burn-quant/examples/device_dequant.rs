@@ -9,8 +9,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use burn_cubecl::CubeRuntime;
 use burn_quant::{
-    FloatBytes, Fp8Format, Fp8Tensor, Granularity, dequantize, dequantize_codes,
-    padded_codes,
+    FloatBytes, Fp8Format, Fp8Tensor, Granularity, dequantize, dequantize_codes, padded_codes,
 };
 use half::bf16;
 

@@ -1,9 +1,9 @@
 //! Dequantization into a Burn tensor on the backend's device.
 
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::autodiff::{Autodiff, AutodiffTensor};
 use burn::backend::Flex;
-use burn::tensor::backend::Backend;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 
@@ -36,7 +36,7 @@ impl<B: Fp8Backend, C: CheckpointStrategy> Fp8Backend for Autodiff<B, C> {
         device: &Self::Device,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        AutodiffTensor::new(B::fp8_dequantize(tensor, device, dtype))
+        Self::from_inner(B::fp8_dequantize(tensor, device, dtype))
     }
 }
 
@@ -50,7 +50,12 @@ pub fn dequantize<B: Fp8Backend, const D: usize>(
     device: &B::Device,
     dtype: FloatDType,
 ) -> Tensor<B, D> {
-    assert_eq!(tensor.spec.shape.len(), D, "rank of {:?}", tensor.spec.shape);
+    assert_eq!(
+        tensor.spec.shape.len(),
+        D,
+        "rank of {:?}",
+        tensor.spec.shape
+    );
     Tensor::from_primitive(TensorPrimitive::Float(B::fp8_dequantize(
         tensor, device, dtype,
     )))
@@ -66,7 +71,9 @@ mod tests {
 
     #[test]
     fn flex_dequantize_equals_the_cpu_decoding() {
-        let values: Vec<f32> = (0..96 * 70).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+        let values: Vec<f32> = (0..96 * 70)
+            .map(|i| (i as f32 * 0.11).cos() * 3.0)
+            .collect();
         let q = Fp8Tensor::quantize(
             FloatBytes::from_f32(&values),
             &[96, 70],

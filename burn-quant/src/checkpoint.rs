@@ -31,7 +31,10 @@ impl Shard {
             SafeTensors::read_metadata(&mmap).map_err(|e| QuantError::corrupt(path, e))?;
         let data_start = 8 + header_len;
         if data_start + metadata.data_len() > mmap.len() {
-            return Err(QuantError::corrupt(path, "the file is shorter than its header says"));
+            return Err(QuantError::corrupt(
+                path,
+                "the file is shorter than its header says",
+            ));
         }
         Ok(Self {
             path: path.to_path_buf(),

@@ -149,13 +149,6 @@ where
         let client = R::client(device);
         let codes = client.create_from_slice(&padded_codes(tensor));
         let scales = client.create_from_slice(bytemuck::cast_slice(&tensor.scales));
-        dequantize_codes(
-            &client,
-            device,
-            codes,
-            scales,
-            &tensor.spec,
-            dtype,
-        )
+        dequantize_codes(&client, device, codes, scales, &tensor.spec, dtype)
     }
 }

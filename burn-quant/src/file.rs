@@ -45,7 +45,10 @@ pub struct QuantizeReport {
 
 /// The key of the scale tensor stored beside `key`: `a.b.weight` → `a.b.scale_weight`.
 pub fn scale_key(key: &str) -> String {
-    format!("{}.scale_weight", key.strip_suffix(".weight").unwrap_or(key))
+    format!(
+        "{}.scale_weight",
+        key.strip_suffix(".weight").unwrap_or(key)
+    )
 }
 
 /// Quantizes every floating tensor of rank ≥ 2 selected by the options and copies the others,
@@ -108,8 +111,7 @@ pub fn quantize_checkpoint(
         report.bytes_in += t.data.len() as u64;
         match source {
             Some(values) => {
-                let q =
-                    Fp8Tensor::quantize(values, t.shape, options.format, options.granularity);
+                let q = Fp8Tensor::quantize(values, t.shape, options.format, options.granularity);
                 writer.write(t.name, &q.data)?;
                 report.bytes_out += q.data.len() as u64;
                 if options.granularity != Granularity::None {

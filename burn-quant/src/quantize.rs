@@ -192,7 +192,11 @@ impl Fp8Tensor {
         granularity: Granularity,
     ) -> Self {
         let numel: usize = shape.iter().product();
-        assert_eq!(numel, values.len(), "shape {shape:?} does not match the values");
+        assert_eq!(
+            numel,
+            values.len(),
+            "shape {shape:?} does not match the values"
+        );
         let layout = granularity.layout(shape);
         let mut data = vec![0u8; numel];
         let scales = match granularity {
@@ -359,7 +363,11 @@ mod tests {
             Fp8Format::E4M3,
             Granularity::Row,
         );
-        for (row, (x, y)) in values.chunks(256).zip(q.dequantize().chunks(256)).enumerate() {
+        for (row, (x, y)) in values
+            .chunks(256)
+            .zip(q.dequantize().chunks(256))
+            .enumerate()
+        {
             let scale = q.scales[row] as f64;
             for (&a, &b) in x.iter().zip(y) {
                 let err = (a as f64 - b as f64).abs();

@@ -45,7 +45,7 @@ impl Granularity {
     pub fn layout(self, shape: &[usize]) -> ScaleLayout {
         let numel: usize = shape.iter().product();
         let rows = shape.first().copied().unwrap_or(1);
-        let cols = if rows == 0 { 0 } else { numel / rows };
+        let cols = numel.checked_div(rows).unwrap_or(0);
         match self {
             Granularity::None | Granularity::Tensor => ScaleLayout {
                 rows: 1,
@@ -143,14 +143,20 @@ mod tests {
     #[test]
     fn block_layout_covers_ragged_rows() {
         let layout = Granularity::Block64.layout(&[3, 2, 50]);
-        assert_eq!((layout.rows, layout.cols, layout.blocks_per_row), (3, 100, 2));
+        assert_eq!(
+            (layout.rows, layout.cols, layout.blocks_per_row),
+            (3, 100, 2)
+        );
         assert_eq!(layout.count(), 6);
         assert_eq!(layout.index_of(63), 0);
         assert_eq!(layout.index_of(64), 1);
         assert_eq!(layout.index_of(99), 1);
         assert_eq!(layout.index_of(100), 2);
         assert_eq!(layout.index_of(299), 5);
-        assert_eq!(Granularity::Block64.scale_shape(&[3, 2, 50]), Some(vec![3, 2]));
+        assert_eq!(
+            Granularity::Block64.scale_shape(&[3, 2, 50]),
+            Some(vec![3, 2])
+        );
     }
 
     #[test]

@@ -23,7 +23,14 @@ fn assert_codes(got: &[u8], expected: &[u8], inputs: impl Fn(usize) -> String, w
     let wrong: Vec<String> = (0..got.len())
         .filter(|&i| got[i] != expected[i])
         .take(5)
-        .map(|i| format!("{} -> {:#04x}, expected {:#04x}", inputs(i), got[i], expected[i]))
+        .map(|i| {
+            format!(
+                "{} -> {:#04x}, expected {:#04x}",
+                inputs(i),
+                got[i],
+                expected[i]
+            )
+        })
         .collect();
     assert!(wrong.is_empty(), "{what}: {wrong:?}");
 }

@@ -421,6 +421,15 @@ impl AdapterSet {
         self.adapters.is_empty()
     }
 
+    /// The same set with every weight converted to `dtype` (adapters load in their file's
+    /// dtype; convert first to train a bf16 file in f32, for example).
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        for adapter in self.adapters.values_mut() {
+            *adapter = adapter.with_dtype(dtype);
+        }
+        self
+    }
+
     /// Total number of adapter weights.
     pub fn num_params(&self) -> usize {
         self.adapters.values().map(StoredAdapter::num_params).sum()

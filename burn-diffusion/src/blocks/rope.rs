@@ -1,0 +1,115 @@
+//! Rotary position embedding over several position axes (FLUX: time, row, column).
+
+use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+
+/// Cosine and sine tables for every token, `[tokens, head_dim]`, in f32.
+///
+/// Head dimension `d` is split into one band per axis (`axes_dim`, summing to `d`); in the band
+/// of axis `a` (width `n`), pair `j` turns by `pos[a] / theta^(2j / n)`. The angles are computed
+/// in f64 and each value is repeated for the two lanes of its pair.
+#[derive(Clone, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> Rope<B> {
+    /// Builds the tables from token positions, `positions[token * axes + axis]`.
+    ///
+    /// # Panics
+    /// If an axis width is odd or the positions are not a whole number of tokens.
+    pub fn new(positions: &[f64], axes_dim: &[usize], theta: f64, device: &B::Device) -> Self {
+        let axes = axes_dim.len();
+        assert!(
+            axes_dim.iter().all(|n| n % 2 == 0),
+            "rope axis widths must be even, got {axes_dim:?}"
+        );
+        assert_eq!(
+            positions.len() % axes,
+            0,
+            "positions are not [tokens, {axes}]"
+        );
+        let tokens = positions.len() / axes;
+        let dim: usize = axes_dim.iter().sum();
+        let freqs: Vec<f64> = axes_dim
+            .iter()
+            .flat_map(|&n| (0..n / 2).map(move |j| 1.0 / theta.powf((2 * j) as f64 / n as f64)))
+            .collect();
+        let axis_of: Vec<usize> = axes_dim
+            .iter()
+            .enumerate()
+            .flat_map(|(a, &n)| std::iter::repeat_n(a, n / 2))
+            .collect();
+        let mut cos = Vec::with_capacity(tokens * dim);
+        let mut sin = Vec::with_capacity(tokens * dim);
+        for pos in positions.chunks_exact(axes) {
+            for (freq, &axis) in freqs.iter().zip(&axis_of) {
+                let angle = pos[axis] * freq;
+                let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+                cos.extend([c, c]);
+                sin.extend([s, s]);
+            }
+        }
+        let table = |values| {
+            Tensor::from_data(TensorData::new(values, [tokens, dim]), (device, DType::F32))
+        };
+        Self {
+            cos: table(cos),
+            sin: table(sin),
+        }
+    }
+
+    /// Rotates each pair of lanes `(x₀, x₁)` of every head: `(x₀ cos - x₁ sin, x₁ cos + x₀ sin)`,
+    /// computed in f32 and returned in the input's dtype.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, heads, tokens, head_dim]`
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let dtype = x.dtype();
+        let [b, h, l, d] = x.dims();
+        let x = x.cast(DType::F32);
+        let pairs = x.clone().reshape([b, h, l, d / 2, 2]);
+        let real = pairs.clone().narrow(4, 0, 1);
+        let imag = pairs.narrow(4, 1, 1);
+        let rotated = Tensor::cat(vec![imag.neg(), real], 4).reshape([b, h, l, d]);
+        let cos = self.cos.clone().unsqueeze::<4>();
+        let sin = self.sin.clone().unsqueeze::<4>();
+        (x * cos + rotated * sin).cast(dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    #[test]
+    fn rotates_each_pair_by_its_axis_angle() {
+        let device = Default::default();
+        let axes_dim = [2, 4];
+        let theta = 100.0;
+        // Two tokens, two axes.
+        let positions = [3.0, 5.0, -1.0, 2.0];
+        let rope = Rope::<Flex>::new(&positions, &axes_dim, theta, &device);
+        let values: Vec<f32> = (0..2 * 2 * 6).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x =
+            Tensor::<Flex, 4>::from_data(TensorData::new(values.clone(), [1, 2, 2, 6]), &device);
+        let out = rope.apply(x).into_data().to_vec::<f32>().unwrap();
+        // Pair j of a token: band of axis 0 is pair 0 (freq 1), axis 1 has pairs 1, 2
+        // (freqs 1 and theta^-1/2).
+        let freq_axis = [(1.0, 0), (1.0, 1), (1.0 / theta.sqrt(), 1)];
+        for head in 0..2 {
+            for token in 0..2 {
+                for (pair, (freq, axis)) in freq_axis.iter().enumerate() {
+                    let angle: f64 = positions[token * 2 + axis] * freq;
+                    let at = (head * 2 + token) * 6 + 2 * pair;
+                    let (x0, x1) = (values[at] as f64, values[at + 1] as f64);
+                    let y0 = x0 * angle.cos() - x1 * angle.sin();
+                    let y1 = x1 * angle.cos() + x0 * angle.sin();
+                    assert!((out[at] as f64 - y0).abs() < 1e-6);
+                    assert!((out[at + 1] as f64 - y1).abs() < 1e-6);
+                }
+            }
+        }
+    }
+}

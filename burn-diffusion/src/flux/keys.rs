@@ -1,0 +1,385 @@
+//! Every name of every FLUX.1 weight: its path in the Burn module tree, its key in BFL files and
+//! where it lives in diffusers files. All remapping between the layouts is here.
+//!
+//! The model's fields follow BFL's keys, except where Rust cannot spell them: a BFL MLP's
+//! `0` / `2` are `lin1` / `lin2`, and `final_layer.adaLN_modulation.1` is
+//! `final_layer.ada_ln_modulation`. Diffusers splits some BFL layers: the fused `qkv` of a
+//! double block is `to_q`, `to_k`, `to_v` (or `add_*_proj` for text), a single block's
+//! `linear1` is `to_q`, `to_k`, `to_v`, `proj_mlp`, and the final modulation stores
+//! `(scale, shift)` where BFL stores `(shift, scale)`. A BFL layer is therefore described as a
+//! list of row ranges of diffusers layers.
+
+use std::ops::Range;
+
+use super::FluxConfig;
+
+/// One `nn::Linear` of the model, under each naming scheme.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearKeys {
+    /// Path in the Burn module tree, e.g. `double_blocks.0.img_mlp.lin1`.
+    pub module: String,
+    /// Name in BFL files (the `.weight` / `.bias` keys without suffix), e.g.
+    /// `double_blocks.0.img_mlp.0`.
+    pub bfl: String,
+    /// Where the output rows live in diffusers files, in the order of this layer's rows.
+    pub diffusers: Vec<RowRange>,
+    /// Input features.
+    pub d_input: usize,
+    /// Output features.
+    pub d_output: usize,
+}
+
+/// Output rows `[to, to + rows.len())` of a model layer are rows `rows` of the diffusers layer
+/// `module` (whose weight has `len` rows in all).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowRange {
+    /// The diffusers layer, e.g. `transformer_blocks.0.attn.to_q`.
+    pub module: String,
+    /// Output rows of the diffusers layer.
+    pub len: usize,
+    /// Rows taken from it.
+    pub rows: Range<usize>,
+    /// First row of the model layer they fill.
+    pub to: usize,
+}
+
+/// A learned vector that is not part of a Linear (the RMS-norm scales of the attention).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VectorKeys {
+    /// Path in the Burn module tree, which is also the BFL key.
+    pub module: String,
+    /// Key in diffusers files.
+    pub diffusers: String,
+    /// Length.
+    pub len: usize,
+}
+
+/// Every Linear of a model of this configuration, in module order.
+pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
+    let h = config.hidden_size;
+    let mlp = config.mlp_hidden_dim();
+    let mut out = Vec::new();
+    let same = |name: &str| (name.to_string(), name.to_string());
+
+    let (m, b) = same("img_in");
+    out.push(whole(m, b, "x_embedder".into(), config.in_channels, h));
+    let embedders = [
+        ("time_in", "timestep_embedder", 256, true),
+        ("vector_in", "text_embedder", config.vec_in_dim, true),
+        (
+            "guidance_in",
+            "guidance_embedder",
+            256,
+            config.guidance_embed,
+        ),
+    ];
+    for (bfl, diffusers, d_input, present) in embedders {
+        if !present {
+            continue;
+        }
+        let (m, b) = same(&format!("{bfl}.in_layer"));
+        out.push(whole(
+            m,
+            b,
+            format!("time_text_embed.{diffusers}.linear_1"),
+            d_input,
+            h,
+        ));
+        let (m, b) = same(&format!("{bfl}.out_layer"));
+        out.push(whole(
+            m,
+            b,
+            format!("time_text_embed.{diffusers}.linear_2"),
+            h,
+            h,
+        ));
+    }
+    let (m, b) = same("txt_in");
+    out.push(whole(
+        m,
+        b,
+        "context_embedder".into(),
+        config.context_in_dim,
+        h,
+    ));
+
+    for i in 0..config.depth {
+        let p = format!("double_blocks.{i}");
+        let d = format!("transformer_blocks.{i}");
+        for (stream, norm, attn_out, ff, added) in [
+            ("img", "norm1", "attn.to_out.0", "ff", ""),
+            (
+                "txt",
+                "norm1_context",
+                "attn.to_add_out",
+                "ff_context",
+                "add_",
+            ),
+        ] {
+            let (m, b) = same(&format!("{p}.{stream}_mod.lin"));
+            out.push(whole(m, b, format!("{d}.{norm}.linear"), h, 6 * h));
+            let qkv = if added.is_empty() {
+                ["to_q", "to_k", "to_v"].map(|n| format!("{d}.attn.{n}"))
+            } else {
+                ["add_q_proj", "add_k_proj", "add_v_proj"].map(|n| format!("{d}.attn.{n}"))
+            };
+            let (m, b) = same(&format!("{p}.{stream}_attn.qkv"));
+            out.push(stacked(m, b, qkv.iter().map(|n| (n.as_str(), h)), h));
+            let (m, b) = same(&format!("{p}.{stream}_attn.proj"));
+            out.push(whole(m, b, format!("{d}.{attn_out}"), h, h));
+            out.push(whole(
+                format!("{p}.{stream}_mlp.lin1"),
+                format!("{p}.{stream}_mlp.0"),
+                format!("{d}.{ff}.net.0.proj"),
+                h,
+                mlp,
+            ));
+            out.push(whole(
+                format!("{p}.{stream}_mlp.lin2"),
+                format!("{p}.{stream}_mlp.2"),
+                format!("{d}.{ff}.net.2"),
+                mlp,
+                h,
+            ));
+        }
+    }
+    for i in 0..config.depth_single_blocks {
+        let p = format!("single_blocks.{i}");
+        let d = format!("single_transformer_blocks.{i}");
+        let parts = [
+            ("attn.to_q", h),
+            ("attn.to_k", h),
+            ("attn.to_v", h),
+            ("proj_mlp", mlp),
+        ]
+        .map(|(n, rows)| (format!("{d}.{n}"), rows));
+        let (m, b) = same(&format!("{p}.linear1"));
+        out.push(stacked(
+            m,
+            b,
+            parts.iter().map(|(n, r)| (n.as_str(), *r)),
+            h,
+        ));
+        let (m, b) = same(&format!("{p}.linear2"));
+        out.push(whole(m, b, format!("{d}.proj_out"), h + mlp, h));
+        let (m, b) = same(&format!("{p}.modulation.lin"));
+        out.push(whole(m, b, format!("{d}.norm.linear"), h, 3 * h));
+    }
+
+    let (m, b) = same("final_layer.linear");
+    out.push(whole(m, b, "proj_out".into(), h, config.out_channels));
+    // BFL: (shift, scale); diffusers' norm_out: (scale, shift).
+    out.push(LinearKeys {
+        module: "final_layer.ada_ln_modulation".into(),
+        bfl: "final_layer.adaLN_modulation.1".into(),
+        diffusers: vec![
+            RowRange {
+                module: "norm_out.linear".into(),
+                len: 2 * h,
+                rows: h..2 * h,
+                to: 0,
+            },
+            RowRange {
+                module: "norm_out.linear".into(),
+                len: 2 * h,
+                rows: 0..h,
+                to: h,
+            },
+        ],
+        d_input: h,
+        d_output: 2 * h,
+    });
+    out
+}
+
+/// A layer that is one diffusers layer, whole.
+fn whole(
+    module: String,
+    bfl: String,
+    diffusers: String,
+    d_input: usize,
+    d_output: usize,
+) -> LinearKeys {
+    LinearKeys {
+        module,
+        bfl,
+        diffusers: vec![RowRange {
+            module: diffusers,
+            len: d_output,
+            rows: 0..d_output,
+            to: 0,
+        }],
+        d_input,
+        d_output,
+    }
+}
+
+/// A layer made of whole diffusers layers stacked along the output rows.
+fn stacked<'a>(
+    module: String,
+    bfl: String,
+    parts: impl Iterator<Item = (&'a str, usize)>,
+    d_input: usize,
+) -> LinearKeys {
+    let mut to = 0;
+    let diffusers: Vec<RowRange> = parts
+        .map(|(name, len)| {
+            let range = RowRange {
+                module: name.to_string(),
+                len,
+                rows: 0..len,
+                to,
+            };
+            to += len;
+            range
+        })
+        .collect();
+    LinearKeys {
+        module,
+        bfl,
+        diffusers,
+        d_input,
+        d_output: to,
+    }
+}
+
+/// Every RMS-norm scale of a model of this configuration.
+pub(crate) fn vector_keys(config: &FluxConfig) -> Vec<VectorKeys> {
+    let len = config.head_dim();
+    let mut out = Vec::new();
+    let mut push = |module: String, diffusers: String| {
+        out.push(VectorKeys {
+            module,
+            diffusers,
+            len,
+        })
+    };
+    for i in 0..config.depth {
+        let (p, d) = (
+            format!("double_blocks.{i}"),
+            format!("transformer_blocks.{i}.attn"),
+        );
+        push(
+            format!("{p}.img_attn.norm.query_norm.scale"),
+            format!("{d}.norm_q.weight"),
+        );
+        push(
+            format!("{p}.img_attn.norm.key_norm.scale"),
+            format!("{d}.norm_k.weight"),
+        );
+        push(
+            format!("{p}.txt_attn.norm.query_norm.scale"),
+            format!("{d}.norm_added_q.weight"),
+        );
+        push(
+            format!("{p}.txt_attn.norm.key_norm.scale"),
+            format!("{d}.norm_added_k.weight"),
+        );
+    }
+    for i in 0..config.depth_single_blocks {
+        let (p, d) = (
+            format!("single_blocks.{i}"),
+            format!("single_transformer_blocks.{i}.attn"),
+        );
+        push(
+            format!("{p}.norm.query_norm.scale"),
+            format!("{d}.norm_q.weight"),
+        );
+        push(
+            format!("{p}.norm.key_norm.scale"),
+            format!("{d}.norm_k.weight"),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> FluxConfig {
+        FluxConfig::new(16, 12, 20, 24, 64, 2, 1, 1, vec![4, 14, 14], true)
+    }
+
+    #[test]
+    fn fused_layers_stack_their_diffusers_parts() {
+        let keys = linear_keys(&tiny());
+        let find = |m: &str| keys.iter().find(|k| k.module == m).unwrap();
+        let linear1 = find("single_blocks.0.linear1");
+        assert_eq!(linear1.d_output, 3 * 64 + 256);
+        let parts: Vec<_> = linear1
+            .diffusers
+            .iter()
+            .map(|r| (r.module.as_str(), r.to, r.rows.len()))
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                ("single_transformer_blocks.0.attn.to_q", 0, 64),
+                ("single_transformer_blocks.0.attn.to_k", 64, 64),
+                ("single_transformer_blocks.0.attn.to_v", 128, 64),
+                ("single_transformer_blocks.0.proj_mlp", 192, 256),
+            ]
+        );
+        let txt_qkv = find("double_blocks.0.txt_attn.qkv");
+        assert_eq!(
+            txt_qkv.diffusers[2].module,
+            "transformer_blocks.0.attn.add_v_proj"
+        );
+        let mlp = find("double_blocks.0.txt_mlp.lin2");
+        assert_eq!(mlp.bfl, "double_blocks.0.txt_mlp.2");
+        assert_eq!(
+            mlp.diffusers[0].module,
+            "transformer_blocks.0.ff_context.net.2"
+        );
+        assert_eq!((mlp.d_input, mlp.d_output), (256, 64));
+    }
+
+    #[test]
+    fn final_modulation_swaps_its_halves() {
+        let keys = linear_keys(&tiny());
+        let last = keys.last().unwrap();
+        assert_eq!(last.bfl, "final_layer.adaLN_modulation.1");
+        let halves: Vec<_> = last
+            .diffusers
+            .iter()
+            .map(|r| (r.rows.clone(), r.to))
+            .collect();
+        assert_eq!(halves, [(64..128, 0), (0..64, 64)]);
+    }
+
+    #[test]
+    fn every_diffusers_row_is_used_once() {
+        let keys = linear_keys(&tiny());
+        let mut rows = std::collections::HashMap::<&str, Vec<usize>>::new();
+        for k in &keys {
+            let covered: usize = k.diffusers.iter().map(|r| r.rows.len()).sum();
+            assert_eq!(covered, k.d_output, "{}", k.module);
+            for r in &k.diffusers {
+                rows.entry(&r.module).or_default().extend(r.rows.clone());
+                assert!(r.rows.end <= r.len);
+            }
+        }
+        for (module, mut used) in rows {
+            used.sort_unstable();
+            let len = keys
+                .iter()
+                .flat_map(|k| &k.diffusers)
+                .find(|r| r.module == module)
+                .unwrap()
+                .len;
+            assert_eq!(used, (0..len).collect::<Vec<_>>(), "{module}");
+        }
+    }
+
+    #[test]
+    fn guidance_layers_only_with_guidance() {
+        let with = linear_keys(&tiny());
+        let without = linear_keys(&FluxConfig {
+            guidance_embed: false,
+            ..tiny()
+        });
+        assert_eq!(with.len(), without.len() + 2);
+        assert!(without.iter().all(|k| !k.bfl.starts_with("guidance_in")));
+    }
+}

@@ -1,0 +1,472 @@
+//! Loading FLUX.1 weights from a BFL single file or a diffusers folder, one tensor at a time.
+//!
+//! Files are memory-mapped; each tensor is decoded (bf16, f16, f32, f64, or FP8 with its
+//! `scale_weight`), laid out for Burn (Linear weights transposed to `[d_in, d_out]`, split
+//! diffusers layers stacked, see [`super::keys`]), uploaded, and its file pages handed back to
+//! the OS before the next one. Peak host memory is one tensor, not a second copy of the model.
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Element, FloatDType, Tensor, TensorData, backend::Backend};
+use burn_quant::{Checkpoint, FloatBytes, FloatDtype, Fp8Format, TensorEntry, read_fp8, scale_key};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::keys::{LinearKeys, RowRange, VectorKeys, linear_keys, vector_keys};
+use super::{Flux, FluxConfig};
+use crate::error::{KeyReport, LoadError, ShapeMismatch};
+
+/// Prefix of the transformer's keys in ComfyUI's all-in-one checkpoints.
+const COMFY_PREFIX: &str = "model.diffusion_model.";
+/// ComfyUI's marker of a scaled-FP8 file (its dtype tells the format).
+const COMFY_FP8_MARKER: &str = "scaled_fp8";
+/// ComfyUI's per-layer input scales, for FP8 matmuls; unused when weights are dequantized.
+const COMFY_INPUT_SCALE: &str = ".scale_input";
+
+/// The key naming scheme of a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Black Forest Labs' single file (`flux1-dev.safetensors`), also ComfyUI's.
+    Bfl,
+    /// A diffusers `FluxTransformer2DModel` folder.
+    Diffusers,
+}
+
+/// An opened FLUX.1 checkpoint: its files, layout and configuration.
+pub struct FluxCheckpoint {
+    path: PathBuf,
+    layout: Layout,
+    config: FluxConfig,
+    prefix: &'static str,
+    files: Checkpoint,
+}
+
+impl FluxCheckpoint {
+    /// Opens a BFL-layout `.safetensors` file (keys possibly under `model.diffusion_model.`),
+    /// or a diffusers folder: a pipeline folder with `transformer/`, or the `transformer`
+    /// folder itself (`config.json` and one safetensors file or a shard index). FP8 tensors
+    /// (from `burnlora quantize` or ComfyUI's scaled FP8) are accepted in both.
+    ///
+    /// The configuration comes from `config.json`, or is inferred from a BFL file's keys
+    /// ([`FluxConfig::from_bfl_keys`]).
+    pub fn open(path: &Path) -> Result<Self, LoadError> {
+        if path.is_dir() {
+            let folder = [path.join("transformer"), path.to_path_buf()]
+                .into_iter()
+                .find(|f| f.join("config.json").is_file())
+                .ok_or_else(|| LoadError::UnknownLayout {
+                    path: path.to_path_buf(),
+                })?;
+            let config = FluxConfig::from_diffusers_json(&folder.join("config.json"))?;
+            let files = Checkpoint::open(&folder)?;
+            return Ok(Self {
+                path: folder,
+                layout: Layout::Diffusers,
+                config,
+                prefix: "",
+                files,
+            });
+        }
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            return Err(LoadError::UnknownLayout {
+                path: path.to_path_buf(),
+            });
+        }
+        let files = Checkpoint::open(path)?;
+        let prefix = if files.get(&format!("{COMFY_PREFIX}img_in.weight")).is_some() {
+            COMFY_PREFIX
+        } else {
+            ""
+        };
+        if prefix.is_empty() && files.get("img_in.weight").is_none() {
+            let message = if files.get("x_embedder.weight").is_some() {
+                "diffusers-layout weights: open the folder that holds them with config.json"
+            } else {
+                "not a FLUX.1 transformer: `img_in.weight` is missing"
+            };
+            return Err(LoadError::Config {
+                file: path.to_path_buf(),
+                message: message.into(),
+            });
+        }
+        let keys = files.tensors().filter_map(|t| t.name.strip_prefix(prefix));
+        let config = FluxConfig::from_bfl_keys(path, keys, |key| {
+            files
+                .get(&format!("{prefix}{key}"))
+                .map(|t| t.shape.to_vec())
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            layout: Layout::Bfl,
+            config,
+            prefix,
+            files,
+        })
+    }
+
+    /// The key layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &FluxConfig {
+        &self.config
+    }
+
+    /// Builds the model with its weights in `dtype` on `device`.
+    ///
+    /// Every missing, unexpected or mis-shaped key is collected and reported in one
+    /// [`LoadError::Keys`]. In a ComfyUI all-in-one file, keys outside
+    /// `model.diffusion_model.` (VAE, text encoders) are ignored.
+    pub fn load<B: Backend>(
+        &self,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<Flux<B>, LoadError> {
+        let linears = linear_keys(&self.config);
+        let vectors = vector_keys(&self.config);
+        let mut loader = Loader::<B> {
+            source: self,
+            device: device.clone(),
+            dtype,
+            linears: linears.iter().map(|k| (k.module.as_str(), k)).collect(),
+            vectors: vectors.iter().map(|k| (k.module.as_str(), k)).collect(),
+            path: Vec::new(),
+            used: HashSet::new(),
+            report: KeyReport::default(),
+            failure: None,
+        };
+        let model = self.config.init::<B>(device).map(&mut loader);
+        loader.finish()?;
+        Ok(model)
+    }
+}
+
+impl<B: Backend> Flux<B> {
+    /// Opens and loads a checkpoint (see [`FluxCheckpoint::open`] and [`FluxCheckpoint::load`]).
+    pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
+        FluxCheckpoint::open(path)?.load(device, dtype)
+    }
+}
+
+/// One tensor to read: rows `rows` of `key` (a tensor of `len` rows) go to rows `to..` of the
+/// parameter.
+struct Piece {
+    key: String,
+    len: usize,
+    rows: Range<usize>,
+    to: usize,
+}
+
+/// Fills each parameter from the checkpoint as the model's parameters are visited.
+struct Loader<'a, B: Backend> {
+    source: &'a FluxCheckpoint,
+    device: B::Device,
+    dtype: FloatDType,
+    linears: HashMap<&'a str, &'a LinearKeys>,
+    vectors: HashMap<&'a str, &'a VectorKeys>,
+    path: Vec<String>,
+    used: HashSet<String>,
+    report: KeyReport,
+    failure: Option<LoadError>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Loader<'_, B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.path.join(".");
+        let shape = param.lazy_shape().as_slice().to_vec();
+        let Some(data) = self.read(&path, &shape) else {
+            return param;
+        };
+        let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
+        let tensor = B::memory_persistent_allocations(&device, data, |data| {
+            Tensor::<B, D>::from_data(data, (&device, dtype))
+        });
+        let id = param.id;
+        param.transform_for_load(tensor, id)
+    }
+}
+
+impl<B: Backend> Loader<'_, B> {
+    /// The value of the parameter at `path` (Burn's shape `shape`), or `None` after recording
+    /// why it cannot be read.
+    fn read(&mut self, path: &str, shape: &[usize]) -> Option<TensorData> {
+        let (module, field) = path.rsplit_once('.').unwrap_or(("", path));
+        let diffusers = self.source.layout == Layout::Diffusers;
+        let (pieces, d_input) = if let Some(keys) = self.linears.get(module).copied() {
+            let pieces = if diffusers {
+                keys.diffusers
+                    .iter()
+                    .map(|r: &RowRange| Piece {
+                        key: format!("{}.{field}", r.module),
+                        len: r.len,
+                        rows: r.rows.clone(),
+                        to: r.to,
+                    })
+                    .collect()
+            } else {
+                vec![Piece {
+                    key: format!("{}.{field}", keys.bfl),
+                    len: keys.d_output,
+                    rows: 0..keys.d_output,
+                    to: 0,
+                }]
+            };
+            (pieces, (field == "weight").then_some(keys.d_input))
+        } else if let Some(keys) = self.vectors.get(path).copied() {
+            let key = if diffusers {
+                &keys.diffusers
+            } else {
+                &keys.module
+            };
+            let piece = Piece {
+                key: key.clone(),
+                len: keys.len,
+                rows: 0..keys.len,
+                to: 0,
+            };
+            (vec![piece], None)
+        } else {
+            self.report
+                .missing
+                .push(format!("{path} (no checkpoint key for this parameter)"));
+            return None;
+        };
+        match self.dtype {
+            FloatDType::F64 => self.assemble::<f64>(pieces, d_input, shape),
+            FloatDType::F32 | FloatDType::Flex32 => self.assemble::<f32>(pieces, d_input, shape),
+            FloatDType::F16 => self.assemble::<f16>(pieces, d_input, shape),
+            FloatDType::BF16 => self.assemble::<bf16>(pieces, d_input, shape),
+        }
+    }
+
+    /// Reads the pieces into one buffer of Burn's layout: a Linear weight (`d_input` given) is
+    /// stored `[d_input, d_output]`, the checkpoint's `[rows, d_input]` transposed.
+    fn assemble<T: FromF32>(
+        &mut self,
+        pieces: Vec<Piece>,
+        d_input: Option<usize>,
+        shape: &[usize],
+    ) -> Option<TensorData> {
+        let numel: usize = shape.iter().product();
+        let d_output = *shape.last().unwrap_or(&1);
+        let mut out = vec![T::from_f32(0.0); numel];
+        let mut complete = true;
+        for piece in pieces {
+            let expected = match d_input {
+                Some(d_input) => vec![piece.len, d_input],
+                None => vec![piece.len],
+            };
+            let Some(values) = self.values(&piece.key, &expected) else {
+                complete = false;
+                continue;
+            };
+            match d_input {
+                Some(d_input) => place_transposed(&mut out, d_input, d_output, &values, &piece),
+                None => {
+                    for (o, v) in out[piece.to..piece.to + piece.rows.len()]
+                        .iter_mut()
+                        .zip(&values[piece.rows.clone()])
+                    {
+                        *o = T::from_f32(*v);
+                    }
+                }
+            }
+        }
+        complete.then(|| TensorData::new(out, shape.to_vec()))
+    }
+
+    /// The values of checkpoint tensor `key` as f32, after checking its shape.
+    fn values(&mut self, key: &str, expected: &[usize]) -> Option<Vec<f32>> {
+        let full = format!("{}{key}", self.source.prefix);
+        let files = &self.source.files;
+        let Some(entry) = files.get(&full) else {
+            self.report.missing.push(full);
+            return None;
+        };
+        if entry.shape != expected {
+            self.used.insert(full.clone());
+            self.report.mismatched.push(ShapeMismatch {
+                key: full,
+                expected: expected.to_vec(),
+                found: entry.shape.to_vec(),
+            });
+            return None;
+        }
+        let values = read_f32(files, &entry);
+        files.release(&entry);
+        if Fp8Format::from_safetensors_dtype(entry.dtype).is_some() {
+            let scale = scale_key(&full);
+            if files.get(&scale).is_some() {
+                self.used.insert(scale);
+            }
+        }
+        self.used.insert(full);
+        match values {
+            Ok(values) => Some(values),
+            Err(error) => {
+                self.failure.get_or_insert(error);
+                None
+            }
+        }
+    }
+
+    /// Fails with everything collected, or checks that every key of the file was used.
+    fn finish(mut self) -> Result<(), LoadError> {
+        if let Some(error) = self.failure {
+            return Err(error);
+        }
+        let prefix = self.source.prefix;
+        self.report.unexpected = self
+            .source
+            .files
+            .tensors()
+            .map(|t| t.name)
+            .filter(|name| name.starts_with(prefix) && !self.used.contains(*name))
+            .filter(|name| {
+                let key = &name[prefix.len()..];
+                key != COMFY_FP8_MARKER && !key.ends_with(COMFY_INPUT_SCALE)
+            })
+            .map(str::to_string)
+            .collect();
+        self.report.missing.sort();
+        self.report.unexpected.sort();
+        if self.report.is_empty() {
+            Ok(())
+        } else {
+            Err(LoadError::Keys {
+                file: self.source.path.clone(),
+                report: self.report,
+            })
+        }
+    }
+}
+
+/// Writes rows `piece.rows` of a `[piece.len, d_input]` weight into columns `piece.to..` of the
+/// `[d_input, d_output]` buffer `out`, in parallel over bands of `out`'s rows.
+fn place_transposed<T: FromF32>(
+    out: &mut [T],
+    d_input: usize,
+    d_output: usize,
+    values: &[f32],
+    piece: &Piece,
+) {
+    const BAND: usize = 16;
+    out.par_chunks_mut(BAND * d_output)
+        .enumerate()
+        .for_each(|(band, chunk)| {
+            let first = band * BAND;
+            let width = chunk.len() / d_output;
+            for (col, row) in (piece.to..).zip(piece.rows.clone()) {
+                let src = &values[row * d_input + first..][..width];
+                for (i, v) in src.iter().enumerate() {
+                    chunk[i * d_output + col] = T::from_f32(*v);
+                }
+            }
+        });
+}
+
+/// Decodes a checkpoint tensor to f32: bf16, f16, f32, f64, or FP8 times its scales.
+pub(crate) fn read_f32(files: &Checkpoint, entry: &TensorEntry<'_>) -> Result<Vec<f32>, LoadError> {
+    let dtype_error = || LoadError::Dtype {
+        file: entry.file.to_path_buf(),
+        key: entry.name.to_string(),
+        dtype: format!("{:?}", entry.dtype),
+    };
+    if let Some(dtype) = FloatDtype::from_safetensors(entry.dtype) {
+        return FloatBytes::new(dtype, entry.data)
+            .map(|b| b.to_f32_vec())
+            .ok_or_else(dtype_error);
+    }
+    if entry.dtype == safetensors::Dtype::F64 {
+        return Ok(entry
+            .data
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+            .collect());
+    }
+    match read_fp8(files, entry.name)? {
+        Some(fp8) => Ok(fp8.dequantize()),
+        None => Err(dtype_error()),
+    }
+}
+
+/// The element types a model can be loaded in.
+trait FromF32: Element + Copy + Send + Sync {
+    fn from_f32(value: f32) -> Self;
+}
+
+impl FromF32 for f32 {
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl FromF32 for f64 {
+    fn from_f32(value: f32) -> Self {
+        value as f64
+    }
+}
+
+impl FromF32 for f16 {
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+impl FromF32 for bf16 {
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposed_placement_fills_the_right_columns() {
+        // A [3, 2] weight (rows 1..3 used) into columns 1..3 of a [2, 4] buffer.
+        let values = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let piece = Piece {
+            key: String::new(),
+            len: 3,
+            rows: 1..3,
+            to: 1,
+        };
+        let mut out = vec![0f32; 8];
+        place_transposed(&mut out, 2, 4, &values, &piece);
+        assert_eq!(out, [0.0, 3.0, 5.0, 0.0, 0.0, 4.0, 6.0, 0.0]);
+    }
+
+    #[test]
+    fn transposed_placement_spans_several_bands() {
+        let (d_input, d_output) = (37, 5);
+        let values: Vec<f32> = (0..d_output * d_input).map(|v| v as f32).collect();
+        let piece = Piece {
+            key: String::new(),
+            len: d_output,
+            rows: 0..d_output,
+            to: 0,
+        };
+        let mut out = vec![0f32; d_input * d_output];
+        place_transposed(&mut out, d_input, d_output, &values, &piece);
+        for i in 0..d_input {
+            for o in 0..d_output {
+                assert_eq!(out[i * d_output + o], values[o * d_input + i]);
+            }
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! FLUX.1 (dev and schnell): the transformer, its checkpoint layouts, loading, and a
+//! file-to-file forward pass for parity checks.
+
+mod config;
+mod keys;
+mod load;
+mod model;
+mod run;
+
+pub use config::FluxConfig;
+pub use keys::{LinearKeys, RowRange, linear_keys};
+pub use load::{FluxCheckpoint, Layout};
+pub use model::{
+    DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpEmbedder, ModulationLinear, QkNorm,
+    RmsNorm, SelfAttention, SingleStreamBlock,
+};
+pub use run::forward_file;

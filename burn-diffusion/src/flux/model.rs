@@ -1,0 +1,516 @@
+//! The FLUX.1 transformer, block by block as BFL wrote it.
+//!
+//! Numerics follow diffusers' `FluxTransformer2DModel`, the parity target: norms and rotary
+//! embedding in f32, the timestep scaled in the model's dtype before its sinusoidal embedding.
+
+// ref: black-forest-labs/flux@802fb4713906133fcbd0d8dc5351620ca4773036 src/flux/model.py, src/flux/modules/layers.py
+// ref: huggingface/diffusers@7d2e86a85a372df75ee2ccefe84e5a44cfc60429 src/diffusers/models/transformers/transformer_flux.py
+
+use burn::module::{Module, Param};
+use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::tensor::activation::silu;
+use burn::tensor::{Tensor, TensorData, backend::Backend};
+
+use super::FluxConfig;
+use crate::blocks::{Modulation, Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedding};
+use crate::checkpointing::{BlockRunner, Direct};
+
+/// Epsilon of every layer norm and RMS norm of FLUX.
+const EPS: f64 = 1e-6;
+/// Width of the sinusoidal timestep and guidance embeddings.
+const TIME_DIM: usize = 256;
+/// Timesteps and guidance strengths are multiplied by this before their embedding.
+const TIME_FACTOR: f64 = 1000.0;
+
+/// The FLUX.1 transformer (dev or schnell, or any size of the same shape).
+///
+/// Every projection is a plain [`Linear`]; fields follow the BFL checkpoint keys
+/// (see [`super::linear_keys`] for the few that Rust cannot spell).
+#[derive(Module, Debug)]
+pub struct Flux<B: Backend> {
+    /// Image tokens to the residual width.
+    pub img_in: Linear<B>,
+    /// Timestep embedding.
+    pub time_in: MlpEmbedder<B>,
+    /// Pooled text embedding.
+    pub vector_in: MlpEmbedder<B>,
+    /// Guidance-strength embedding (FLUX.1-dev).
+    pub guidance_in: Option<MlpEmbedder<B>>,
+    /// Text tokens to the residual width.
+    pub txt_in: Linear<B>,
+    /// Blocks with separate image and text weights.
+    pub double_blocks: Vec<DoubleStreamBlock<B>>,
+    /// Blocks over the joint sequence.
+    pub single_blocks: Vec<SingleStreamBlock<B>>,
+    /// Modulated projection of the image tokens to the output channels.
+    pub final_layer: LastLayer<B>,
+    config: FluxConfig,
+}
+
+/// One forward pass's inputs, as diffusers names them in brackets.
+#[derive(Clone, Debug)]
+pub struct FluxInput<B: Backend> {
+    /// Image tokens (`hidden_states`), `[batch, img_tokens, in_channels]`.
+    pub img: Tensor<B, 3>,
+    /// Text tokens (`encoder_hidden_states`), `[batch, txt_tokens, context_in_dim]`.
+    pub txt: Tensor<B, 3>,
+    /// Pooled text vector (`pooled_projections`), `[batch, vec_in_dim]`.
+    pub y: Tensor<B, 2>,
+    /// Noise level σ in `[0, 1]` (`timestep`), `[batch]`.
+    pub timesteps: Tensor<B, 1>,
+    /// Guidance strength (`guidance`), `[batch]`; required when the model embeds it.
+    pub guidance: Option<Tensor<B, 1>>,
+    /// Positions of the image tokens (`img_ids`), `[img_tokens, axes]`, on the host.
+    pub img_ids: TensorData,
+    /// Positions of the text tokens (`txt_ids`), `[txt_tokens, axes]`, on the host.
+    pub txt_ids: TensorData,
+}
+
+impl FluxConfig {
+    /// A model of this shape with Burn's default initialization (weights are created lazily,
+    /// on first use, in the device's default float dtype).
+    ///
+    /// # Panics
+    /// If the configuration is inconsistent (see [`FluxConfig::validate`]).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Flux<B> {
+        if let Err(message) = self.validate() {
+            panic!("invalid FLUX config: {message}");
+        }
+        let h = self.hidden_size;
+        Flux {
+            img_in: LinearConfig::new(self.in_channels, h).init(device),
+            time_in: MlpEmbedder::new(TIME_DIM, h, device),
+            vector_in: MlpEmbedder::new(self.vec_in_dim, h, device),
+            guidance_in: self
+                .guidance_embed
+                .then(|| MlpEmbedder::new(TIME_DIM, h, device)),
+            txt_in: LinearConfig::new(self.context_in_dim, h).init(device),
+            double_blocks: (0..self.depth)
+                .map(|_| DoubleStreamBlock::new(self, device))
+                .collect(),
+            single_blocks: (0..self.depth_single_blocks)
+                .map(|_| SingleStreamBlock::new(self, device))
+                .collect(),
+            final_layer: LastLayer::new(h, self.out_channels, device),
+            config: self.clone(),
+        }
+    }
+}
+
+impl<B: Backend> Flux<B> {
+    /// The model's configuration.
+    pub fn config(&self) -> &FluxConfig {
+        &self.config
+    }
+
+    /// One forward pass: the predicted velocity for every image token.
+    ///
+    /// # Shapes
+    /// - output: `[batch, img_tokens, out_channels]`
+    ///
+    /// # Panics
+    /// If the model embeds guidance and `input.guidance` is `None`.
+    pub fn forward(&self, input: FluxInput<B>) -> Tensor<B, 3> {
+        self.forward_with(input, &mut Direct)
+    }
+
+    /// [`Flux::forward`] with the blocks run by `runner`, e.g. a
+    /// [`BlockTape`](crate::BlockTape) for training with block-level gradient checkpointing.
+    pub fn forward_with<R: BlockRunner<B>>(
+        &self,
+        input: FluxInput<B>,
+        runner: &mut R,
+    ) -> Tensor<B, 3> {
+        let dtype = input.img.dtype();
+        let embed_time = |t: Tensor<B, 1>| timestep_embedding(t, TIME_DIM, TIME_FACTOR).cast(dtype);
+        let img = self.img_in.forward(input.img);
+        let mut vec = self.time_in.forward(embed_time(input.timesteps));
+        if let Some(guidance_in) = &self.guidance_in {
+            let guidance = input
+                .guidance
+                .expect("this FLUX model embeds guidance: FluxInput::guidance is required");
+            vec = vec + guidance_in.forward(embed_time(guidance));
+        }
+        let vec = vec + self.vector_in.forward(input.y);
+        let txt = self.txt_in.forward(input.txt);
+        let pe = self.rope(&input.txt_ids, &input.img_ids, &img.device());
+
+        let (mut img, mut txt, vec) = runner.input((img, txt, vec));
+        for block in &self.double_blocks {
+            let pe = pe.clone();
+            (img, txt) = runner.run(block, (img, txt, vec.clone()), move |b, (img, txt, vec)| {
+                b.forward(img, txt, vec, &pe)
+            });
+        }
+        for block in &self.single_blocks {
+            let pe = pe.clone();
+            (img, txt) = runner.run(block, (img, txt, vec.clone()), move |b, (img, txt, vec)| {
+                b.forward(img, txt, vec, &pe)
+            });
+        }
+        self.final_layer.forward(img, vec)
+    }
+
+    /// Rotary tables for the joint sequence, text tokens first.
+    fn rope(&self, txt_ids: &TensorData, img_ids: &TensorData, device: &B::Device) -> Rope<B> {
+        let axes = self.config.axes_dim.len();
+        let mut positions = Vec::new();
+        for ids in [txt_ids, img_ids] {
+            assert!(
+                ids.shape.len() == 2 && ids.shape[1] == axes,
+                "position ids must be [tokens, {axes}], got {:?}",
+                ids.shape
+            );
+            positions.extend(ids.iter::<f64>());
+        }
+        Rope::new(&positions, &self.config.axes_dim, self.config.theta, device)
+    }
+}
+
+/// `out_layer(silu(in_layer(x)))`: the timestep, guidance and pooled-text embedders.
+#[derive(Module, Debug)]
+pub struct MlpEmbedder<B: Backend> {
+    /// Input projection.
+    pub in_layer: Linear<B>,
+    /// Output projection.
+    pub out_layer: Linear<B>,
+}
+
+impl<B: Backend> MlpEmbedder<B> {
+    fn new(d_input: usize, hidden: usize, device: &B::Device) -> Self {
+        Self {
+            in_layer: LinearConfig::new(d_input, hidden).init(device),
+            out_layer: LinearConfig::new(hidden, hidden).init(device),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, d_input]`; output: `[batch, hidden]`
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.out_layer.forward(silu(self.in_layer.forward(x)))
+    }
+}
+
+/// `lin(silu(vec))`, split into one or two [`Modulation`] sets.
+#[derive(Module, Debug)]
+pub struct ModulationLinear<B: Backend> {
+    /// The projection (`3 · sets · hidden` outputs).
+    pub lin: Linear<B>,
+    sets: usize,
+}
+
+impl<B: Backend> ModulationLinear<B> {
+    fn new(hidden: usize, sets: usize, device: &B::Device) -> Self {
+        Self {
+            lin: LinearConfig::new(hidden, 3 * sets * hidden).init(device),
+            sets,
+        }
+    }
+
+    fn forward(&self, vec: Tensor<B, 2>) -> Vec<Modulation<B>> {
+        Modulation::split(self.lin.forward(silu(vec)), self.sets)
+    }
+}
+
+/// A learned RMS-norm scale.
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// Multiplies the normalized values.
+    pub scale: Param<Tensor<B, 1>>,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    fn new(dim: usize, device: &B::Device) -> Self {
+        Self {
+            scale: Initializer::Ones.init([dim], device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        rms_norm(x, self.scale.val(), EPS)
+    }
+}
+
+/// RMS norms of the queries and keys, per head.
+#[derive(Module, Debug)]
+pub struct QkNorm<B: Backend> {
+    /// Norm of the queries.
+    pub query_norm: RmsNorm<B>,
+    /// Norm of the keys.
+    pub key_norm: RmsNorm<B>,
+}
+
+impl<B: Backend> QkNorm<B> {
+    fn new(head_dim: usize, device: &B::Device) -> Self {
+        Self {
+            query_norm: RmsNorm::new(head_dim, device),
+            key_norm: RmsNorm::new(head_dim, device),
+        }
+    }
+}
+
+/// The attention weights of one stream of a double block.
+#[derive(Module, Debug)]
+pub struct SelfAttention<B: Backend> {
+    /// Fused query, key, value projection.
+    pub qkv: Linear<B>,
+    /// Query and key norms.
+    pub norm: QkNorm<B>,
+    /// Output projection.
+    pub proj: Linear<B>,
+}
+
+impl<B: Backend> SelfAttention<B> {
+    fn new(hidden: usize, head_dim: usize, device: &B::Device) -> Self {
+        Self {
+            qkv: LinearConfig::new(hidden, 3 * hidden).init(device),
+            norm: QkNorm::new(head_dim, device),
+            proj: LinearConfig::new(hidden, hidden).init(device),
+        }
+    }
+}
+
+/// `lin2(gelu_tanh(lin1(x)))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// Expansion (BFL key `0`).
+    pub lin1: Linear<B>,
+    /// Contraction (BFL key `2`).
+    pub lin2: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(hidden: usize, mlp_hidden: usize, device: &B::Device) -> Self {
+        Self {
+            lin1: LinearConfig::new(hidden, mlp_hidden).init(device),
+            lin2: LinearConfig::new(mlp_hidden, hidden).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.lin2.forward(gelu_tanh(self.lin1.forward(x)))
+    }
+}
+
+/// A block with separate weights for the image and text streams and joint attention.
+#[derive(Module, Debug)]
+pub struct DoubleStreamBlock<B: Backend> {
+    /// Image modulation (two sets: attention, MLP).
+    pub img_mod: ModulationLinear<B>,
+    /// Image attention weights.
+    pub img_attn: SelfAttention<B>,
+    /// Image MLP.
+    pub img_mlp: Mlp<B>,
+    /// Text modulation.
+    pub txt_mod: ModulationLinear<B>,
+    /// Text attention weights.
+    pub txt_attn: SelfAttention<B>,
+    /// Text MLP.
+    pub txt_mlp: Mlp<B>,
+    num_heads: usize,
+}
+
+impl<B: Backend> DoubleStreamBlock<B> {
+    fn new(config: &FluxConfig, device: &B::Device) -> Self {
+        let (h, d) = (config.hidden_size, config.head_dim());
+        Self {
+            img_mod: ModulationLinear::new(h, 2, device),
+            img_attn: SelfAttention::new(h, d, device),
+            img_mlp: Mlp::new(h, config.mlp_hidden_dim(), device),
+            txt_mod: ModulationLinear::new(h, 2, device),
+            txt_attn: SelfAttention::new(h, d, device),
+            txt_mlp: Mlp::new(h, config.mlp_hidden_dim(), device),
+            num_heads: config.num_heads,
+        }
+    }
+
+    /// # Shapes
+    /// - `img`: `[batch, img_tokens, hidden]`, `txt`: `[batch, txt_tokens, hidden]`,
+    ///   `vec`: `[batch, hidden]`; `pe` covers text then image tokens.
+    /// - output: the updated `(img, txt)`.
+    pub fn forward(
+        &self,
+        img: Tensor<B, 3>,
+        txt: Tensor<B, 3>,
+        vec: Tensor<B, 2>,
+        pe: &Rope<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let [img_mod1, img_mod2] = two(self.img_mod.forward(vec.clone()));
+        let [txt_mod1, txt_mod2] = two(self.txt_mod.forward(vec));
+        let heads = self.num_heads;
+        let img_qkv = self
+            .img_attn
+            .qkv
+            .forward(img_mod1.scale_shift(layer_norm(img.clone(), EPS)));
+        let txt_qkv = self
+            .txt_attn
+            .qkv
+            .forward(txt_mod1.scale_shift(layer_norm(txt.clone(), EPS)));
+        let [img_q, img_k, img_v] = split_heads(img_qkv, heads);
+        let [txt_q, txt_k, txt_v] = split_heads(txt_qkv, heads);
+        let (img_q, img_k) = (
+            self.img_attn.norm.query_norm.forward(img_q),
+            self.img_attn.norm.key_norm.forward(img_k),
+        );
+        let (txt_q, txt_k) = (
+            self.txt_attn.norm.query_norm.forward(txt_q),
+            self.txt_attn.norm.key_norm.forward(txt_k),
+        );
+        let txt_len = txt.dims()[1];
+        let img_len = img.dims()[1];
+        let attn = attention(
+            Tensor::cat(vec![txt_q, img_q], 2),
+            Tensor::cat(vec![txt_k, img_k], 2),
+            Tensor::cat(vec![txt_v, img_v], 2),
+            pe,
+        );
+        let txt_attn = attn.clone().narrow(1, 0, txt_len);
+        let img_attn = attn.narrow(1, txt_len, img_len);
+
+        let img = img + img_mod1.gate(self.img_attn.proj.forward(img_attn));
+        let img = img.clone()
+            + img_mod2.gate(
+                self.img_mlp
+                    .forward(img_mod2.scale_shift(layer_norm(img, EPS))),
+            );
+        let txt = txt + txt_mod1.gate(self.txt_attn.proj.forward(txt_attn));
+        let txt = txt.clone()
+            + txt_mod2.gate(
+                self.txt_mlp
+                    .forward(txt_mod2.scale_shift(layer_norm(txt, EPS))),
+            );
+        (img, txt)
+    }
+}
+
+/// A block over the joint sequence, with attention and MLP in parallel.
+#[derive(Module, Debug)]
+pub struct SingleStreamBlock<B: Backend> {
+    /// Fused query, key, value and MLP expansion.
+    pub linear1: Linear<B>,
+    /// Fused attention output and MLP contraction.
+    pub linear2: Linear<B>,
+    /// Query and key norms.
+    pub norm: QkNorm<B>,
+    /// Modulation (one set).
+    pub modulation: ModulationLinear<B>,
+    num_heads: usize,
+}
+
+impl<B: Backend> SingleStreamBlock<B> {
+    fn new(config: &FluxConfig, device: &B::Device) -> Self {
+        let (h, mlp) = (config.hidden_size, config.mlp_hidden_dim());
+        Self {
+            linear1: LinearConfig::new(h, 3 * h + mlp).init(device),
+            linear2: LinearConfig::new(h + mlp, h).init(device),
+            norm: QkNorm::new(config.head_dim(), device),
+            modulation: ModulationLinear::new(h, 1, device),
+            num_heads: config.num_heads,
+        }
+    }
+
+    /// Runs on `[txt; img]` and returns the two parts, so that every block passes the same
+    /// tensors on.
+    ///
+    /// # Shapes
+    /// - as [`DoubleStreamBlock::forward`].
+    pub fn forward(
+        &self,
+        img: Tensor<B, 3>,
+        txt: Tensor<B, 3>,
+        vec: Tensor<B, 2>,
+        pe: &Rope<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let txt_len = txt.dims()[1];
+        let img_len = img.dims()[1];
+        let x = Tensor::cat(vec![txt, img], 1);
+        let [modulation] = self
+            .modulation
+            .forward(vec)
+            .try_into()
+            .expect("one modulation set");
+        let hidden = x.dims()[2];
+        let projected = self
+            .linear1
+            .forward(modulation.scale_shift(layer_norm(x.clone(), EPS)));
+        let mlp_hidden = projected.dims()[2] - 3 * hidden;
+        let [qkv, mlp] = projected
+            .split_with_sizes(vec![3 * hidden, mlp_hidden], 2)
+            .try_into()
+            .expect("two parts");
+        let [q, k, v] = split_heads(qkv, self.num_heads);
+        let q = self.norm.query_norm.forward(q);
+        let k = self.norm.key_norm.forward(k);
+        let attn = attention(q, k, v, pe);
+        let out = self
+            .linear2
+            .forward(Tensor::cat(vec![attn, gelu_tanh(mlp)], 2));
+        let x = x + modulation.gate(out);
+        (
+            x.clone().narrow(1, txt_len, img_len),
+            x.narrow(1, 0, txt_len),
+        )
+    }
+}
+
+/// The output layer: modulated layer norm, then projection to the output channels.
+#[derive(Module, Debug)]
+pub struct LastLayer<B: Backend> {
+    /// Projection to the output channels.
+    pub linear: Linear<B>,
+    /// `(shift, scale)` from the conditioning vector (BFL key `adaLN_modulation.1`).
+    pub ada_ln_modulation: Linear<B>,
+}
+
+impl<B: Backend> LastLayer<B> {
+    fn new(hidden: usize, out_channels: usize, device: &B::Device) -> Self {
+        Self {
+            linear: LinearConfig::new(hidden, out_channels).init(device),
+            ada_ln_modulation: LinearConfig::new(hidden, 2 * hidden).init(device),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, tokens, hidden]`, `vec`: `[batch, hidden]`; output:
+    ///   `[batch, tokens, out_channels]`
+    pub fn forward(&self, x: Tensor<B, 3>, vec: Tensor<B, 2>) -> Tensor<B, 3> {
+        let [shift, scale] = self
+            .ada_ln_modulation
+            .forward(silu(vec))
+            .unsqueeze_dim::<3>(1)
+            .chunk(2, 2)
+            .try_into()
+            .expect("two halves");
+        self.linear
+            .forward(layer_norm(x, EPS) * (scale + 1.0) + shift)
+    }
+}
+
+/// `[batch, tokens, 3 · heads · head_dim]` → q, k, v as `[batch, heads, tokens, head_dim]`.
+fn split_heads<B: Backend>(qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
+    let [b, l, width] = qkv.dims();
+    let head_dim = width / 3 / heads;
+    let qkv = qkv.reshape([b, l, 3, heads, head_dim]);
+    [0, 1, 2].map(|i| {
+        qkv.clone()
+            .narrow(2, i, 1)
+            .reshape([b, l, heads, head_dim])
+            .swap_dims(1, 2)
+    })
+}
+
+/// Rotary embedding of q and k, attention, heads merged: `[batch, tokens, heads · head_dim]`.
+fn attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    pe: &Rope<B>,
+) -> Tensor<B, 3> {
+    let out = sdpa(pe.apply(q), pe.apply(k), v);
+    let [b, h, l, d] = out.dims();
+    out.swap_dims(1, 2).reshape([b, l, h * d])
+}
+
+fn two<B: Backend>(sets: Vec<Modulation<B>>) -> [Modulation<B>; 2] {
+    sets.try_into().expect("two modulation sets")
+}

@@ -1,0 +1,159 @@
+//! One forward pass from files: a checkpoint, inputs under diffusers' argument names, and the
+//! output written as safetensors (what `burnlora forward` runs).
+
+use std::io::Write;
+use std::path::Path;
+
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, backend::Backend};
+use burn_quant::Checkpoint;
+use safetensors::tensor::TensorView;
+
+use super::load::read_f32;
+use super::{Flux, FluxConfig, FluxInput};
+use crate::error::LoadError;
+
+/// Input keys and what they hold, in diffusers' names.
+const KEYS: [&str; 7] = [
+    "hidden_states",
+    "encoder_hidden_states",
+    "pooled_projections",
+    "timestep",
+    "guidance",
+    "img_ids",
+    "txt_ids",
+];
+
+/// Loads `model` (a diffusers folder or a BFL file) in `dtype`, runs it on `inputs` and writes
+/// the result under the key `output` to `output` (atomically, in the model's dtype). Returns
+/// the output's shape.
+///
+/// `inputs` holds `hidden_states` `[B, N, C]`, `encoder_hidden_states` `[B, T, D]`,
+/// `pooled_projections` `[B, P]`, `timestep` `[B]` (σ in `[0, 1]`), `guidance` `[B]` (only
+/// for a model with a guidance embedding), `img_ids` `[N, 3]` and `txt_ids` `[T, 3]`.
+pub fn forward_file<B: Backend>(
+    model: &Path,
+    inputs: &Path,
+    output: &Path,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Result<Vec<usize>, LoadError> {
+    let flux = Flux::<B>::load(model, device, dtype)?;
+    let input = read_inputs::<B>(inputs, flux.config(), device, dtype)?;
+    let result = flux.forward(input);
+    let shape = result.dims().to_vec();
+    write_output(output, result.into_data())?;
+    Ok(shape)
+}
+
+/// Reads and checks the inputs of one forward pass.
+fn read_inputs<B: Backend>(
+    file: &Path,
+    config: &FluxConfig,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Result<FluxInput<B>, LoadError> {
+    let files = Checkpoint::open(file)?;
+    let error = |key: &str, message: String| LoadError::Input {
+        file: file.to_path_buf(),
+        key: key.to_string(),
+        message,
+    };
+    if let Some(extra) = files.tensors().find(|t| !KEYS.contains(&t.name)) {
+        return Err(error(
+            extra.name,
+            format!("not an input of the FLUX transformer (expected {KEYS:?})"),
+        ));
+    }
+    // Reads `key` and checks its shape against `expected` (`None` = any size).
+    let read =
+        |key: &str, expected: &[Option<usize>]| -> Result<(Vec<f32>, Vec<usize>), LoadError> {
+            let entry = files.get(key).ok_or_else(|| error(key, "missing".into()))?;
+            let fits = entry.shape.len() == expected.len()
+                && entry
+                    .shape
+                    .iter()
+                    .zip(expected)
+                    .all(|(s, e)| e.is_none_or(|e| e == *s));
+            if !fits {
+                let want: Vec<String> = expected
+                    .iter()
+                    .map(|e| e.map_or("_".to_string(), |e| e.to_string()))
+                    .collect();
+                return Err(error(
+                    key,
+                    format!("shape {:?}, expected [{}]", entry.shape, want.join(", ")),
+                ));
+            }
+            Ok((read_f32(&files, &entry)?, entry.shape.to_vec()))
+        };
+    let (img, img_shape) = read("hidden_states", &[None, None, Some(config.in_channels)])?;
+    let [batch, img_len] = [img_shape[0], img_shape[1]];
+    let (txt, txt_shape) = read(
+        "encoder_hidden_states",
+        &[Some(batch), None, Some(config.context_in_dim)],
+    )?;
+    let txt_len = txt_shape[1];
+    let (y, _) = read(
+        "pooled_projections",
+        &[Some(batch), Some(config.vec_in_dim)],
+    )?;
+    let (timesteps, _) = read("timestep", &[Some(batch)])?;
+    let guidance = match (config.guidance_embed, files.get("guidance").is_some()) {
+        (true, _) => Some(read("guidance", &[Some(batch)])?.0),
+        (false, false) => None,
+        (false, true) => {
+            return Err(error(
+                "guidance",
+                "this model has no guidance embedding".into(),
+            ));
+        }
+    };
+    let axes = config.axes_dim.len();
+    let (img_ids, _) = read("img_ids", &[Some(img_len), Some(axes)])?;
+    let (txt_ids, _) = read("txt_ids", &[Some(txt_len), Some(axes)])?;
+
+    let options = (device, DType::from(dtype));
+    let tensor3 =
+        |v: Vec<f32>, s: [usize; 3]| Tensor::<B, 3>::from_data(TensorData::new(v, s), options);
+    let tensor1 = |v: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(v, [batch]), options);
+    Ok(FluxInput {
+        img: tensor3(img, [batch, img_len, config.in_channels]),
+        txt: tensor3(txt, [batch, txt_len, config.context_in_dim]),
+        y: Tensor::from_data(TensorData::new(y, [batch, config.vec_in_dim]), options),
+        timesteps: tensor1(timesteps),
+        guidance: guidance.map(tensor1),
+        img_ids: TensorData::new(img_ids, [img_len, axes]),
+        txt_ids: TensorData::new(txt_ids, [txt_len, axes]),
+    })
+}
+
+/// Writes `data` as the tensor `output`, through a temporary file in the same folder.
+fn write_output(file: &Path, data: TensorData) -> Result<(), LoadError> {
+    let write_error = |source| LoadError::Write {
+        file: file.to_path_buf(),
+        source,
+    };
+    let dtype = match data.dtype {
+        DType::F64 => safetensors::Dtype::F64,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::BF16 => safetensors::Dtype::BF16,
+        _ => safetensors::Dtype::F32,
+    };
+    let data = if dtype == safetensors::Dtype::F32 {
+        data.convert::<f32>()
+    } else {
+        data
+    };
+    let view = TensorView::new(dtype, data.shape.to_vec(), data.as_bytes())
+        .map_err(|e| write_error(std::io::Error::other(e)))?;
+    let bytes = safetensors::serialize([("output", view)], None)
+        .map_err(|e| write_error(std::io::Error::other(e)))?;
+    let folder = match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let mut temp = tempfile::NamedTempFile::new_in(folder).map_err(write_error)?;
+    temp.write_all(&bytes).map_err(write_error)?;
+    temp.persist(file).map_err(|e| write_error(e.error))?;
+    Ok(())
+}

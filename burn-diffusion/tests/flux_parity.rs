@@ -1,0 +1,216 @@
+//! The FLUX.1 transformer against diffusers: fixtures made by `tests/fixtures/make_fixtures.py`
+//! (tiny random models, run by diffusers 0.42.1), loaded from the diffusers folder, from the
+//! same weights in BFL layout, and from a ComfyUI-style scaled-FP8 BFL file.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::Flex;
+use burn::tensor::FloatDType;
+use burn_diffusion::LoadError;
+use burn_diffusion::flux::{FluxCheckpoint, Layout, forward_file};
+use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
+
+/// Relative error required in f32.
+const F32_TOLERANCE: f64 = 1e-5;
+/// Relative error allowed in bf16 against diffusers' own bf16 run; both round differently, so
+/// this only guards against gross errors.
+const BF16_TOLERANCE: f64 = 3e-2;
+
+fn case(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/flux")
+        .join(name)
+}
+
+fn read(file: &Path, key: &str) -> Vec<f32> {
+    let files = Checkpoint::open(file).unwrap();
+    let entry = files
+        .get(key)
+        .unwrap_or_else(|| panic!("{}: no `{key}`", file.display()));
+    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
+    FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec()
+}
+
+/// `‖a - b‖ / ‖b‖`, in f64.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+/// Runs `model` on every input set of `case` through `forward_file`; returns the worst relative
+/// error against the reference `key`.
+fn worst_error(case_name: &str, model: &Path, shapes: usize, dtype: FloatDType, key: &str) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let device = Default::default();
+    (0..shapes)
+        .map(|k| {
+            let inputs = case(case_name).join(format!("inputs_{k}.safetensors"));
+            let output = dir.path().join(format!("output_{k}.safetensors"));
+            let expected = read(
+                &case(case_name).join(format!("output_{k}.safetensors")),
+                key,
+            );
+            let shape = forward_file::<Flex>(model, &inputs, &output, dtype, &device).unwrap();
+            assert_eq!(shape.iter().product::<usize>(), expected.len());
+            let error = relative_error(&read(&output, "output"), &expected);
+            println!(
+                "{case_name} {} input {k} {dtype:?}: relative error {error:.2e}",
+                model.display()
+            );
+            error
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn diffusers_folders_match_diffusers_in_f32() {
+    for name in ["guidance", "schnell"] {
+        let model = case(name);
+        assert_eq!(
+            FluxCheckpoint::open(&model).unwrap().layout(),
+            Layout::Diffusers
+        );
+        let error = worst_error(name, &model, 2, FloatDType::F32, "output");
+        assert!(error <= F32_TOLERANCE, "{name}: relative error {error:.2e}");
+    }
+}
+
+#[test]
+fn bfl_files_match_diffusers_in_f32() {
+    for name in ["guidance", "schnell"] {
+        let model = case(name).join("flux1-bfl.safetensors");
+        let checkpoint = FluxCheckpoint::open(&model).unwrap();
+        assert_eq!(checkpoint.layout(), Layout::Bfl);
+        let from_folder = FluxCheckpoint::open(&case(name)).unwrap();
+        assert_eq!(
+            checkpoint.config(),
+            from_folder.config(),
+            "{name}: inferred config"
+        );
+        let error = worst_error(name, &model, 2, FloatDType::F32, "output");
+        assert!(error <= F32_TOLERANCE, "{name}: relative error {error:.2e}");
+    }
+}
+
+#[test]
+fn scaled_fp8_file_matches_diffusers_on_the_dequantized_weights() {
+    let model = case("fp8").join("flux1-bfl-fp8.safetensors");
+    let error = worst_error("fp8", &model, 1, FloatDType::F32, "output");
+    assert!(error <= F32_TOLERANCE, "relative error {error:.2e}");
+}
+
+#[test]
+fn bf16_stays_close_to_diffusers_in_bf16() {
+    for (name, model) in [
+        ("guidance", case("guidance")),
+        ("schnell", case("schnell").join("flux1-bfl.safetensors")),
+    ] {
+        let error = worst_error(name, &model, 2, FloatDType::BF16, "output_bf16");
+        let against_f32 = worst_error(name, &model, 2, FloatDType::BF16, "output");
+        println!("{name} bf16: {error:.2e} against diffusers bf16, {against_f32:.2e} against f32");
+        assert!(
+            error <= BF16_TOLERANCE,
+            "{name}: relative error {error:.2e}"
+        );
+    }
+}
+
+/// Copies the BFL fixture with one key dropped, one renamed to an unknown name and one tensor
+/// of the wrong shape.
+fn broken_bfl(dir: &Path) -> PathBuf {
+    let source = Checkpoint::open(&case("schnell").join("flux1-bfl.safetensors")).unwrap();
+    let wrong_shape = vec![0u8; 4 * 7];
+    let mut tensors = Vec::new();
+    for t in source.tensors() {
+        let (name, shape, data) = match t.name {
+            "double_blocks.0.txt_mlp.2.bias" => continue,
+            "single_blocks.1.linear2.weight" => {
+                ("single_blocks.1.linear_2.weight", t.shape.to_vec(), t.data)
+            }
+            "txt_in.bias" => ("txt_in.bias", vec![7], wrong_shape.as_slice()),
+            name => (name, t.shape.to_vec(), t.data),
+        };
+        tensors.push((
+            name.to_string(),
+            safetensors::tensor::TensorView::new(t.dtype, shape, data).unwrap(),
+        ));
+    }
+    let file = dir.join("broken.safetensors");
+    safetensors::serialize_to_file(tensors, None, &file).unwrap();
+    file
+}
+
+#[test]
+fn mismatched_checkpoint_reports_every_key_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = broken_bfl(dir.path());
+    let error = FluxCheckpoint::open(&file)
+        .unwrap()
+        .load::<Flex>(&Default::default(), FloatDType::F32)
+        .map(|_| ())
+        .unwrap_err();
+    let LoadError::Keys { report, .. } = &error else {
+        panic!("expected a key report, got {error}");
+    };
+    assert_eq!(
+        report.missing,
+        [
+            "double_blocks.0.txt_mlp.2.bias",
+            "single_blocks.1.linear2.weight"
+        ]
+    );
+    assert_eq!(report.unexpected, ["single_blocks.1.linear_2.weight"]);
+    assert_eq!(report.mismatched.len(), 1);
+    assert_eq!(report.mismatched[0].key, "txt_in.bias");
+    assert_eq!(
+        (
+            report.mismatched[0].found.clone(),
+            report.mismatched[0].expected.clone()
+        ),
+        (vec![7], vec![32])
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains("broken.safetensors") && text.contains("`txt_in.bias` is [7], expected [32]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_inputs_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = Checkpoint::open(&case("schnell").join("inputs_0.safetensors")).unwrap();
+    let tensors: Vec<_> = inputs
+        .tensors()
+        .filter(|t| t.name != "txt_ids")
+        .map(|t| {
+            (
+                t.name.to_string(),
+                safetensors::tensor::TensorView::new(t.dtype, t.shape.to_vec(), t.data).unwrap(),
+            )
+        })
+        .collect();
+    let file = dir.path().join("inputs.safetensors");
+    safetensors::serialize_to_file(tensors, None, &file).unwrap();
+    let output = dir.path().join("out.safetensors");
+    let error = forward_file::<Flex>(
+        &case("schnell"),
+        &file,
+        &output,
+        FloatDType::F32,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("inputs.safetensors: input `txt_ids`: missing"),
+        "{error}"
+    );
+    assert!(!output.exists());
+}

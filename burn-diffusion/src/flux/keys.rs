@@ -372,6 +372,60 @@ mod tests {
         }
     }
 
+    /// Every float parameter of the Burn model, by path, with its shape (without initializing it).
+    fn model_params(config: &FluxConfig) -> Vec<(String, Vec<usize>)> {
+        use burn::backend::Flex;
+        use burn::module::{Module, ModuleVisitor, Param};
+        use burn::tensor::Tensor;
+        struct Paths(Vec<String>, Vec<(String, Vec<usize>)>);
+        impl ModuleVisitor<Flex> for Paths {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.0.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.0.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
+                self.1
+                    .push((self.0.join("."), param.lazy_shape().as_slice().to_vec()));
+            }
+        }
+        let mut paths = Paths(Vec::new(), Vec::new());
+        config.init::<Flex>(&Default::default()).visit(&mut paths);
+        paths.1
+    }
+
+    #[test]
+    fn keys_cover_exactly_the_model_parameters() {
+        for config in [
+            tiny(),
+            FluxConfig {
+                guidance_embed: false,
+                depth: 2,
+                ..tiny()
+            },
+        ] {
+            let mut expected: Vec<(String, Vec<usize>)> = linear_keys(&config)
+                .into_iter()
+                .flat_map(|k| {
+                    [
+                        (format!("{}.weight", k.module), vec![k.d_input, k.d_output]),
+                        (format!("{}.bias", k.module), vec![k.d_output]),
+                    ]
+                })
+                .chain(
+                    vector_keys(&config)
+                        .into_iter()
+                        .map(|k| (k.module, vec![k.len])),
+                )
+                .collect();
+            let mut actual = model_params(&config);
+            expected.sort();
+            actual.sort();
+            assert_eq!(actual, expected);
+        }
+    }
+
     #[test]
     fn guidance_layers_only_with_guidance() {
         let with = linear_keys(&tiny());

@@ -1,5 +1,7 @@
 //! `burnlora`: the command-line tool of burn-lora-stack.
 
+mod convert;
+mod forward;
 mod inspect;
 mod quantize;
 
@@ -19,6 +21,10 @@ enum Command {
     Quantize(quantize::QuantizeArgs),
     /// List the tensors (key, dtype, shape, bytes) and metadata of a safetensors checkpoint.
     Inspect(inspect::InspectArgs),
+    /// Run one forward pass of a FLUX.1 transformer on inputs from a file.
+    Forward(forward::ForwardArgs),
+    /// Convert a LoRA file between the kohya and PEFT / diffusers layouts.
+    ConvertLora(convert::ConvertArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,5 +38,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Quantize(args) => quantize::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Forward(args) => forward::run(args),
+        Command::ConvertLora(args) => convert::run(args),
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
-use burn_cubecl::CubeRuntime;
+use cubecl::Runtime as _;
 use burn_quant::{
     FloatBytes, Fp8Format, Fp8Tensor, Granularity, dequantize, dequantize_codes, padded_codes,
 };
@@ -17,10 +17,11 @@ use half::bf16;
 type Runtime = cubecl::cuda::CudaRuntime;
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
 type Runtime = cubecl::wgpu::WgpuRuntime;
-type Device = burn_cubecl::CubeBackend<Runtime, f32, i32, u8>;
+type Gpu = burn_cubecl::CubeBackend<Runtime, f32, i32, u8>;
+type GpuDevice = <Runtime as cubecl::Runtime>::Device;
 
 fn main() {
-    let device = <Device as Backend>::Device::default();
+    let device = GpuDevice::default();
     let (rows, cols) = (3072, 12288);
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| ((i as f32) * 0.618).sin() * 2f32.powi((i % 23) as i32 - 12))
@@ -34,7 +35,7 @@ fn main() {
                 granularity,
             );
             let reference = q.dequantize();
-            let f32_out: Vec<f32> = dequantize::<Device, 2>(&q, &device, FloatDType::F32)
+            let f32_out: Vec<f32> = dequantize::<Gpu, 2>(&q, &device, FloatDType::F32)
                 .into_data()
                 .to_vec()
                 .unwrap();
@@ -42,7 +43,7 @@ fn main() {
                 .iter()
                 .zip(&reference)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
-            let bf16_out: Vec<bf16> = dequantize::<Device, 2>(&q, &device, FloatDType::BF16)
+            let bf16_out: Vec<bf16> = dequantize::<Gpu, 2>(&q, &device, FloatDType::BF16)
                 .into_data()
                 .to_vec()
                 .unwrap();
@@ -61,7 +62,7 @@ fn main() {
 
 /// Bytes moved by the kernel (codes + scales read, bf16 written) per second, on codes already
 /// on the device.
-fn bandwidth(q: &Fp8Tensor, device: &<Device as Backend>::Device) -> f64 {
+fn bandwidth(q: &Fp8Tensor, device: &GpuDevice) -> f64 {
     let client = Runtime::client(device);
     let codes = client.create_from_slice(&padded_codes(q));
     let scales = client.create_from_slice(bytemuck::cast_slice(&q.scales));
@@ -74,16 +75,16 @@ fn bandwidth(q: &Fp8Tensor, device: &<Device as Backend>::Device) -> f64 {
             &q.spec,
             FloatDType::BF16,
         );
-        Tensor::<Device, 2>::from_primitive(TensorPrimitive::Float(out))
+        Tensor::<Gpu, 2>::from_primitive(TensorPrimitive::Float(out))
     };
     drop(run());
-    Device::sync(device).unwrap();
+    Gpu::sync(device).unwrap();
     let iterations = 20;
     let start = Instant::now();
     for _ in 0..iterations {
         drop(run());
     }
-    Device::sync(device).unwrap();
+    Gpu::sync(device).unwrap();
     let seconds = start.elapsed().as_secs_f64() / iterations as f64;
     let bytes = q.data.len() * 3 + q.scales.len() * 4;
     bytes as f64 / seconds / 1e9

@@ -1,6 +1,6 @@
 //! Quantizer throughput on the CPU: GB/s of f32 and bf16 input, on one core and on all cores.
 //!
-//! `cargo bench --bench quantize`; the figures are recorded in benches/RESULTS.md.
+//! `cargo bench -p burn-quant --bench quantize`; the figures are recorded in benches/RESULTS.md.
 
 use burn_quant::{FloatBytes, FloatDtype, Fp8Format, Fp8Tensor, Granularity};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -23,7 +23,10 @@ fn quantize(c: &mut Criterion) {
     let (f32_bytes, bf16_bytes) = inputs();
     let all_cores = rayon::current_num_threads();
     let mut group = c.benchmark_group("quantize_e4m3");
-    group.sample_size(10);
+    group
+        .sample_size(10)
+        .warm_up_time(std::time::Duration::from_secs(1))
+        .measurement_time(std::time::Duration::from_secs(2));
     for (dtype, bytes) in [
         (FloatDtype::F32, &f32_bytes),
         (FloatDtype::BF16, &bf16_bytes),

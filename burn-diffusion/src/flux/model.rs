@@ -247,6 +247,21 @@ impl<B: Backend> QkNorm<B> {
             key_norm: RmsNorm::new(head_dim, device),
         }
     }
+
+    /// `[batch, tokens, 3 · heads · head_dim]` → q, k, v as `[batch, heads, tokens, head_dim]`,
+    /// q and k normalized.
+    fn heads(&self, qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
+        let [b, l, width] = qkv.dims();
+        let head_dim = width / 3 / heads;
+        let qkv = qkv.reshape([b, l, 3, heads, head_dim]);
+        let [q, k, v] = [0, 1, 2].map(|i| {
+            qkv.clone()
+                .narrow(2, i, 1)
+                .reshape([b, l, heads, head_dim])
+                .swap_dims(1, 2)
+        });
+        [self.query_norm.forward(q), self.key_norm.forward(k), v]
+    }
 }
 
 /// The attention weights of one stream of a double block.
@@ -346,18 +361,9 @@ impl<B: Backend> DoubleStreamBlock<B> {
             .txt_attn
             .qkv
             .forward(txt_mod1.scale_shift(layer_norm(txt.clone(), EPS)));
-        let [img_q, img_k, img_v] = split_heads(img_qkv, heads);
-        let [txt_q, txt_k, txt_v] = split_heads(txt_qkv, heads);
-        let (img_q, img_k) = (
-            self.img_attn.norm.query_norm.forward(img_q),
-            self.img_attn.norm.key_norm.forward(img_k),
-        );
-        let (txt_q, txt_k) = (
-            self.txt_attn.norm.query_norm.forward(txt_q),
-            self.txt_attn.norm.key_norm.forward(txt_k),
-        );
-        let txt_len = txt.dims()[1];
-        let img_len = img.dims()[1];
+        let [img_q, img_k, img_v] = self.img_attn.norm.heads(img_qkv, heads);
+        let [txt_q, txt_k, txt_v] = self.txt_attn.norm.heads(txt_qkv, heads);
+        let (txt_len, img_len) = (txt.dims()[1], img.dims()[1]);
         let attn = attention(
             Tensor::cat(vec![txt_q, img_q], 2),
             Tensor::cat(vec![txt_k, img_k], 2),
@@ -366,19 +372,20 @@ impl<B: Backend> DoubleStreamBlock<B> {
         );
         let txt_attn = attn.clone().narrow(1, 0, txt_len);
         let img_attn = attn.narrow(1, txt_len, img_len);
-
-        let img = img + img_mod1.gate(self.img_attn.proj.forward(img_attn));
-        let img = img.clone()
-            + img_mod2.gate(
-                self.img_mlp
-                    .forward(img_mod2.scale_shift(layer_norm(img, EPS))),
-            );
-        let txt = txt + txt_mod1.gate(self.txt_attn.proj.forward(txt_attn));
-        let txt = txt.clone()
-            + txt_mod2.gate(
-                self.txt_mlp
-                    .forward(txt_mod2.scale_shift(layer_norm(txt, EPS))),
-            );
+        let img = residuals(
+            img,
+            img_attn,
+            &self.img_attn,
+            &self.img_mlp,
+            [img_mod1, img_mod2],
+        );
+        let txt = residuals(
+            txt,
+            txt_attn,
+            &self.txt_attn,
+            &self.txt_mlp,
+            [txt_mod1, txt_mod2],
+        );
         (img, txt)
     }
 }
@@ -438,9 +445,7 @@ impl<B: Backend> SingleStreamBlock<B> {
             .split_with_sizes(vec![3 * hidden, mlp_hidden], 2)
             .try_into()
             .expect("two parts");
-        let [q, k, v] = split_heads(qkv, self.num_heads);
-        let q = self.norm.query_norm.forward(q);
-        let k = self.norm.key_norm.forward(k);
+        let [q, k, v] = self.norm.heads(qkv, self.num_heads);
         let attn = attention(q, k, v, pe);
         let out = self
             .linear2
@@ -486,17 +491,16 @@ impl<B: Backend> LastLayer<B> {
     }
 }
 
-/// `[batch, tokens, 3 · heads · head_dim]` → q, k, v as `[batch, heads, tokens, head_dim]`.
-fn split_heads<B: Backend>(qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
-    let [b, l, width] = qkv.dims();
-    let head_dim = width / 3 / heads;
-    let qkv = qkv.reshape([b, l, 3, heads, head_dim]);
-    [0, 1, 2].map(|i| {
-        qkv.clone()
-            .narrow(2, i, 1)
-            .reshape([b, l, heads, head_dim])
-            .swap_dims(1, 2)
-    })
+/// The two residual updates of one stream of a double block: attention output, then MLP.
+fn residuals<B: Backend>(
+    x: Tensor<B, 3>,
+    attn_out: Tensor<B, 3>,
+    attn: &SelfAttention<B>,
+    mlp: &Mlp<B>,
+    [attn_mod, mlp_mod]: [Modulation<B>; 2],
+) -> Tensor<B, 3> {
+    let x = x + attn_mod.gate(attn.proj.forward(attn_out));
+    x.clone() + mlp_mod.gate(mlp.forward(mlp_mod.scale_shift(layer_norm(x, EPS))))
 }
 
 /// Rotary embedding of q and k, attention, heads merged: `[batch, tokens, heads · head_dim]`.

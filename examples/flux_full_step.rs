@@ -1,0 +1,226 @@
+//! A FLUX.1-dev-shaped transformer (random bf16 weights, 11.9 B parameters) resident on one
+//! GPU: one forward pass, then training steps with block-level gradient checkpointing, timed,
+//! with the device's peak memory.
+//!
+//! Until LoRA adapters exist, the trainable parameters of the step are the two input embedders
+//! (`img_in`, `txt_in`; 13 M parameters): every block is frozen but the gradient still flows back
+//! through all of them, as it does for LoRA, and AdamW updates the embedders.
+//!
+//! ```text
+//! cargo run --release --features cuda --example flux_full_step -- \
+//!     [--img-tokens 4096] [--txt-tokens 512] [--steps 3] [--no-checkpointing]
+//! ```
+//! Peak memory is read from `nvidia-smi` (every 20 ms; the whole GPU, as the driver sees it).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Cuda};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, FloatDType, IntDType, Tensor, TensorData};
+use burn_diffusion::flux::{Flux, FluxConfig, FluxInput};
+use burn_diffusion::{BlockTape, Checkpointing};
+
+type Train = Autodiff<Cuda>;
+
+struct Args {
+    img_tokens: usize,
+    txt_tokens: usize,
+    steps: usize,
+    checkpointing: Checkpointing,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        img_tokens: 4096,
+        txt_tokens: 512,
+        steps: 3,
+        checkpointing: Checkpointing::Blocks,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || -> usize {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{flag} needs a number"))
+        };
+        match flag.as_str() {
+            "--img-tokens" => args.img_tokens = value(),
+            "--txt-tokens" => args.txt_tokens = value(),
+            "--steps" => args.steps = value(),
+            "--no-checkpointing" => args.checkpointing = Checkpointing::Off,
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    args
+}
+
+/// The largest `memory.used` that `nvidia-smi` reports, since the last reset.
+struct PeakMemory {
+    child: Child,
+    current: Arc<AtomicU64>,
+    peak: Arc<AtomicU64>,
+}
+
+impl PeakMemory {
+    fn start() -> Option<Self> {
+        let mut child = Command::new("nvidia-smi")
+            .args([
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "-i",
+                "0",
+                "-lms",
+                "20",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let stdout = child.stdout.take()?;
+        let (current, peak) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (c, p) = (current.clone(), peak.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(mib) = line.trim().parse::<u64>() {
+                    c.store(mib, Ordering::Relaxed);
+                    p.fetch_max(mib, Ordering::Relaxed);
+                }
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        Some(Self {
+            child,
+            current,
+            peak,
+        })
+    }
+
+    /// Peak since the last reset, in GB; starts a new window.
+    fn take_peak(&self) -> f64 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = self.current.load(Ordering::Relaxed);
+        self.peak.swap(now, Ordering::Relaxed) as f64 * 1.048576e6 / 1e9
+    }
+}
+
+impl Drop for PeakMemory {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+/// Creates every lazily initialized parameter now.
+fn materialize<B: Backend, M: Module<B>>(model: &M) {
+    struct Touch;
+    impl<B: Backend> ModuleVisitor<B> for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    model.visit(&mut Touch);
+}
+
+fn input<B: Backend>(
+    config: &FluxConfig,
+    args: &Args,
+    device: &B::Device,
+) -> (FluxInput<B>, Tensor<B, 3>) {
+    let normal = Distribution::Normal(0.0, 1.0);
+    let side = (args.img_tokens as f64).sqrt().ceil() as usize;
+    let img_ids: Vec<f32> = (0..args.img_tokens)
+        .flat_map(|i| [0.0, (i / side) as f32, (i % side) as f32])
+        .collect();
+    let input = FluxInput {
+        img: Tensor::random([1, args.img_tokens, config.in_channels], normal, device),
+        txt: Tensor::random([1, args.txt_tokens, config.context_in_dim], normal, device),
+        y: Tensor::random([1, config.vec_in_dim], normal, device),
+        timesteps: Tensor::from_floats([0.6], device),
+        guidance: Some(Tensor::from_floats([3.5], device)),
+        img_ids: TensorData::new(img_ids, [args.img_tokens, 3]),
+        txt_ids: TensorData::new(vec![0f32; args.txt_tokens * 3], [args.txt_tokens, 3]),
+    };
+    let target = Tensor::random([1, args.img_tokens, config.out_channels], normal, device);
+    (input, target)
+}
+
+fn main() {
+    let args = parse_args();
+    let device = Default::default();
+    burn::tensor::set_default_dtypes::<Cuda>(&device, FloatDType::BF16, IntDType::I32)
+        .expect("bf16 as the default float type");
+    let memory = PeakMemory::start();
+    let peak = || memory.as_ref().map_or(f64::NAN, PeakMemory::take_peak);
+    peak();
+
+    let config = FluxConfig::dev();
+    let start = Instant::now();
+    let model: Flux<Train> = config.init(&device).no_grad();
+    materialize(&model);
+    Train::sync(&device).unwrap();
+    let params = model.num_params();
+    println!(
+        "FLUX.1-dev shape: {:.2} B parameters ({:.1} GB bf16), created in {:.1} s; peak {:.1} GB",
+        params as f64 / 1e9,
+        params as f64 * 2.0 / 1e9,
+        start.elapsed().as_secs_f64(),
+        peak()
+    );
+
+    let inference = model.valid();
+    for run in 0..2 {
+        let (input, _) = input::<Cuda>(&config, &args, &device);
+        let start = Instant::now();
+        let out = inference.forward(input);
+        <Cuda as Backend>::sync(&device).unwrap();
+        let seconds = start.elapsed().as_secs_f64();
+        drop(out);
+        println!(
+            "forward {run} ({} image + {} text tokens): {seconds:.3} s; peak {:.1} GB{}",
+            args.img_tokens,
+            args.txt_tokens,
+            peak(),
+            if run == 0 {
+                " (includes kernel compilation and autotune)"
+            } else {
+                ""
+            }
+        );
+    }
+    drop(inference);
+
+    let mut model = model;
+    for linear in [&mut model.img_in, &mut model.txt_in] {
+        linear.weight = linear.weight.clone().set_require_grad(true);
+        linear.bias = linear.bias.take().map(|b| b.set_require_grad(true));
+    }
+    let mut optimizer = AdamWConfig::new().init::<Train, Flux<Train>>();
+    for step in 0..args.steps {
+        let (input, target) = input::<Train>(&config, &args, &device);
+        let start = Instant::now();
+        let mut tape = BlockTape::new(args.checkpointing);
+        let out = model.forward_with(input, &mut tape);
+        let loss = (out - target).powi_scalar(2).mean();
+        let forward = start.elapsed().as_secs_f64();
+        let grads = GradientsParams::from_grads(tape.backward(&loss, &model), &model);
+        model = optimizer.step(1e-4, model, grads);
+        Train::sync(&device).unwrap();
+        let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
+        println!(
+            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB{}",
+            args.checkpointing,
+            start.elapsed().as_secs_f64(),
+            peak(),
+            if step == 0 {
+                " (includes kernel compilation and autotune)"
+            } else {
+                ""
+            }
+        );
+    }
+}

@@ -1,1 +1,80 @@
-//! placeholder
+//! `Offload<B>`: a Burn backend decorator that trains models larger than the GPU by streaming
+//! their frozen weights from host memory, just before each linear op, through a ring of device
+//! buffers filled ahead of the compute by a loader thread.
+//!
+//! Model code stays plain Burn (`nn::Linear`); the backend type chooses offloading:
+//! `Autodiff<Offload<Cuda>>` in production, `Autodiff<Offload<Flex>>` on the CPU. A
+//! [`WeightStream`] turns the frozen parameters of any module into streamed weights (cheap
+//! handles to host memory, so autodiff keeps no device memory for them until backward), plans
+//! which of them stay resident within a VRAM budget, and brackets training steps: the first
+//! step records the order in which the forward, the checkpoint recompute and the backward use
+//! the weights, later steps replay it so the next weights cross the bus while the current ones
+//! compute. Each step reports its traffic, waits and memory in [`StepStats`].
+//!
+//! The crate is split into policy and mechanism: `policy` decides (schedule, residency plan)
+//! and has no device code; `engine` executes with slots, fences and the loader thread;
+//! `target` and `cuda` hold what differs per inner backend. See `DESIGN.md` next to this crate
+//! for the CUDA upload path and what was measured.
+//!
+//! # Features
+//! - `cuda`: Burn's CUDA backend (without fusion) as an inner backend: page-locked host
+//!   memory, asynchronous copies on the loader's own CUDA stream into slots that Burn owns, and
+//!   FP8 payloads dequantized on the device by burn-quant's kernel.
+//!
+//! # Example
+//! ```
+//! use burn::backend::{Autodiff, Flex};
+//! use burn::module::Module;
+//! use burn::nn::LinearConfig;
+//! use burn::tensor::{Distribution, Tensor};
+//! use burn_offload::{Offload, OffloadConfig, ScheduleOutcome, WeightStream};
+//!
+//! type B = Autodiff<Offload<Flex>>;
+//! let device = Default::default();
+//! let config = OffloadConfig::default()
+//!     .with_ring_slots(2)
+//!     .with_direct_threshold(0);
+//! let stream = WeightStream::<B>::new(&device, config)?;
+//!
+//! // A frozen layer: its weight moves to host memory.
+//! let layer = LinearConfig::new(64, 32).init::<B>(&device).no_grad();
+//! let layer = stream.stream_frozen(layer)?;
+//!
+//! let x = Tensor::<B, 2>::random([8, 64], Distribution::Default, &device).require_grad();
+//! for step in 0..2 {
+//!     stream.begin_step();
+//!     let grads = layer.forward(x.clone()).sum().backward();
+//!     assert!(x.grad(&grads).is_some());
+//!     let stats = stream.end_step();
+//!     // The weight is used twice per step: forward and backward.
+//!     if step == 0 {
+//!         assert_eq!(stats.schedule, ScheduleOutcome::Recorded { uses: 2 });
+//!     } else {
+//!         assert_eq!(stats.schedule, ScheduleOutcome::Replayed { uses: 2 });
+//!         assert_eq!(stats.prefetched, 2);
+//!     }
+//! }
+//! # Ok::<(), burn_offload::OffloadError>(())
+//! ```
+#![warn(missing_docs)]
+
+mod backend;
+mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod engine;
+mod error;
+mod ops;
+mod policy;
+mod stats;
+mod stream;
+mod target;
+mod weight;
+
+pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
+pub use config::{OffloadConfig, WireFormat};
+pub use error::OffloadError;
+pub use policy::{Route, ScheduleOutcome};
+pub use stats::StepStats;
+pub use stream::WeightStream;
+pub use target::StreamTarget;

@@ -1,0 +1,295 @@
+//! The CUDA mechanism (`CubeBackend<CudaRuntime>`, Burn's `Cuda` without fusion).
+//!
+//! Host payloads live in page-locked memory (`cuMemHostAlloc`). Ring slots are buffers that
+//! Burn allocates (`ComputeClient::empty`) and keeps, so Burn kernels read them as ordinary
+//! tensors; the loader copies into them with raw `cuMemcpyHtoDAsync` on a CUDA stream of its own
+//! and waits for the copy before marking the slot ready, so an op never starts before its weight
+//! has arrived. The compute thread releases a slot with a fence (`ComputeClient::sync`, an event
+//! on its stream, taken after the op was submitted); the loader waits on it before overwriting.
+//! CubeCL 0.10's own upload path copies through pageable memory on the device-runner thread
+//! (0.62 GB/s measured), which is why the copies bypass it. See `DESIGN.md`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{DType, FloatDType};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cubecl::Runtime;
+use cubecl::client::ComputeClient;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::server::{Handle, ServerError};
+use cubecl_common::future::{DynFut, block_on};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
+
+use crate::error::OffloadError;
+use crate::target::StreamTarget;
+use crate::weight::{Encoding, HostMemory, HostWeight};
+
+fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
+    move |e| OffloadError::Device {
+        action,
+        reason: e.to_string(),
+    }
+}
+
+/// The CUDA context and a copy stream per device, shared by the rings and the direct path.
+fn copy_stream(device: &CudaDevice) -> Result<(Arc<CudaContext>, Arc<CudaStream>), OffloadError> {
+    type Streams = Mutex<HashMap<usize, (Arc<CudaContext>, Arc<CudaStream>)>>;
+    static STREAMS: OnceLock<Streams> = OnceLock::new();
+    let mut streams = STREAMS.get_or_init(Default::default).lock().unwrap();
+    if let Some(entry) = streams.get(&device.index) {
+        return Ok(entry.clone());
+    }
+    // Retains the primary context, the one CubeCL uses.
+    let ctx = CudaContext::new(device.index).map_err(device_error("opening the CUDA context"))?;
+    let stream = ctx
+        .new_stream()
+        .map_err(device_error("creating the copy stream"))?;
+    streams.insert(device.index, (ctx.clone(), stream.clone()));
+    Ok((ctx, stream))
+}
+
+/// Page-locked host memory.
+pub struct PinnedMemory {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a plain host allocation, never written after it was filled at creation.
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as above: shared reads only.
+unsafe impl Sync for PinnedMemory {}
+
+impl HostMemory for PinnedMemory {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `len` bytes allocated and initialized in `host_memory`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: allocated by `malloc_host` and not freed before.
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+/// The slots of a ring: Burn-owned device buffers and their addresses.
+pub struct CudaRing {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    slots: Vec<(Handle, u64)>,
+    slot_bytes: usize,
+}
+
+impl CudaRing {
+    fn copy(&self, dst: u64, bytes: &[u8]) -> Result<(), OffloadError> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(device_error("binding the CUDA context"))?;
+        // SAFETY: `dst` is a live Burn buffer of at least `bytes.len()` bytes that no kernel reads
+        // (the engine's fences guarantee it); `bytes` is page-locked and outlives the copy, which
+        // is complete when `synchronize` returns.
+        unsafe { result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+            .map_err(device_error("copying a weight to the device"))?;
+        self.stream
+            .synchronize()
+            .map_err(device_error("waiting for a weight copy"))
+    }
+}
+
+/// A Burn buffer of `bytes` bytes on `device` and its address.
+fn device_buffer(
+    client: &ComputeClient<CudaRuntime>,
+    bytes: usize,
+) -> Result<(Handle, u64), OffloadError> {
+    let handle = client.empty(bytes.max(1));
+    let ptr = client
+        .get_resource(handle.clone())
+        .map_err(|e| OffloadError::Device {
+            action: "locating a ring slot",
+            reason: format!("{e:?}"),
+        })?
+        .resource()
+        .ptr;
+    Ok((handle, ptr))
+}
+
+/// The bytes `[start, start + len)` of a buffer.
+fn sub_handle(handle: &Handle, start: usize, len: usize) -> Handle {
+    let size = handle.size() as usize;
+    handle
+        .clone()
+        .offset_start(start as u64)
+        .offset_end((size - start - len) as u64)
+}
+
+/// The weight in `handle` (its wire payload) as a tensor of its dtype.
+fn decode<F: FloatElement, I: IntElement, BT: BoolElement>(
+    handle: &Handle,
+    weight: &HostWeight,
+    device: &CudaDevice,
+) -> CubeTensor<CudaRuntime> {
+    let client = CudaRuntime::client(device);
+    let dtype = FloatDType::from(weight.dtype);
+    match &weight.encoding {
+        Encoding::Native => CubeTensor::new_contiguous(
+            client,
+            device.clone(),
+            weight.shape.clone(),
+            sub_handle(handle, 0, weight.device_bytes()),
+            weight.dtype,
+        ),
+        Encoding::Bf16 => {
+            let len = weight.shape.num_elements() * 2;
+            let bf16 = CubeTensor::new_contiguous(
+                client,
+                device.clone(),
+                weight.shape.clone(),
+                sub_handle(handle, 0, len),
+                DType::BF16,
+            );
+            CubeBackend::<CudaRuntime, F, I, BT>::float_cast(bf16, dtype)
+        }
+        Encoding::Fp8(spec) => {
+            let codes_len = HostWeight::codes_len(spec);
+            let scales_len = spec.layout().count() * 4;
+            burn_quant::dequantize_codes(
+                &client,
+                device,
+                sub_handle(handle, 0, spec.numel().div_ceil(4) * 4),
+                sub_handle(handle, codes_len, scales_len),
+                spec,
+                dtype,
+            )
+        }
+    }
+}
+
+impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
+    for CubeBackend<CudaRuntime, F, I, BT>
+{
+    type Ring = CudaRing;
+    type Fence = DynFut<Result<(), ServerError>>;
+
+    fn host_memory(
+        bytes: Vec<u8>,
+        device: &CudaDevice,
+    ) -> Result<Box<dyn HostMemory>, OffloadError> {
+        let (ctx, _) = copy_stream(device)?;
+        let len = bytes.len();
+        let ptr = if len == 0 {
+            std::ptr::null_mut()
+        } else {
+            ctx.bind_to_thread()
+                .map_err(device_error("binding the CUDA context"))?;
+            // SAFETY: a fresh allocation of `len` bytes, filled right below.
+            let ptr = unsafe { result::malloc_host(len, 0) }
+                .map_err(device_error("allocating page-locked host memory"))?
+                .cast::<u8>();
+            // SAFETY: `ptr` holds `len` bytes and does not overlap `bytes`.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) };
+            ptr
+        };
+        Ok(Box::new(PinnedMemory { ptr, len, ctx }))
+    }
+
+    /// The wire payload: the codes and scales of an FP8 weight, decoded when an op reads it.
+    fn slot_bytes(weight: &HostWeight) -> usize {
+        weight.wire_bytes()
+    }
+
+    fn new_ring(
+        device: &CudaDevice,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<CudaRing, OffloadError> {
+        let (ctx, stream) = copy_stream(device)?;
+        let client = CudaRuntime::client(device);
+        let slots = (0..slots)
+            .map(|_| device_buffer(&client, slot_bytes))
+            .collect::<Result<_, _>>()?;
+        Ok(CudaRing {
+            ctx,
+            stream,
+            slots,
+            slot_bytes,
+        })
+    }
+
+    fn fill(ring: &CudaRing, slot: usize, weight: &HostWeight) -> Result<(), OffloadError> {
+        ring.copy(ring.slots[slot].1, weight.memory.bytes())
+    }
+
+    fn poison(ring: &CudaRing, slot: usize) -> Result<(), OffloadError> {
+        ring.ctx
+            .bind_to_thread()
+            .map_err(device_error("binding the CUDA context"))?;
+        // SAFETY: the slot holds `slot_bytes` bytes and no kernel reads it (its fence passed).
+        unsafe {
+            result::memset_d8_async(
+                ring.slots[slot].1,
+                0xFF,
+                ring.slot_bytes,
+                ring.stream.cu_stream(),
+            )
+        }
+        .map_err(device_error("poisoning a ring slot"))?;
+        ring.stream
+            .synchronize()
+            .map_err(device_error("waiting for a slot poisoning"))
+    }
+
+    fn view(
+        ring: &CudaRing,
+        slot: usize,
+        weight: &HostWeight,
+        device: &CudaDevice,
+    ) -> FloatTensor<Self> {
+        decode::<F, I, BT>(&ring.slots[slot].0, weight, device)
+    }
+
+    /// A buffer of its own, filled by the same pinned copy as the ring (Burn's `from_data`
+    /// would go through pageable memory), then decoded if the wire format needs it.
+    fn upload(weight: &HostWeight, device: &CudaDevice) -> Result<FloatTensor<Self>, OffloadError> {
+        let (ctx, stream) = copy_stream(device)?;
+        let client = CudaRuntime::client(device);
+        let size = weight.wire_bytes();
+        let (handle, ptr) = device_buffer(&client, size)?;
+        let staging = CudaRing {
+            ctx,
+            stream,
+            slots: Vec::new(),
+            slot_bytes: size,
+        };
+        staging.copy(ptr, weight.memory.bytes())?;
+        Ok(decode::<F, I, BT>(&handle, weight, device))
+    }
+
+    fn fence(device: &CudaDevice) -> Option<Self::Fence> {
+        Some(CudaRuntime::client(device).sync())
+    }
+
+    fn wait(fence: Self::Fence) {
+        block_on(fence).unwrap_or_else(|e| panic!("waiting for a compute fence: {e:?}"));
+    }
+
+    fn memory_in_use(device: &CudaDevice) -> Option<u64> {
+        CudaRuntime::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_in_use)
+    }
+}

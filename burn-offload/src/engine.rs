@@ -1,0 +1,706 @@
+//! The mechanism: one engine per device owns the ring, the loader thread, the resident copies
+//! and the step statistics, and executes what the policy decides.
+//!
+//! A slot goes `Free -> Filling -> Ready -> InUse -> Fenced -> Free`. The loader thread fills
+//! slots for the uses the replayed schedule announces, up to the prefetch depth ahead of the
+//! compute; the compute thread takes a `Ready` slot, runs its op on a view of it and releases it
+//! with a fence taken after the op. A `Fenced` slot is refilled (and, in the debug mode, poisoned
+//! first) only after its fence has passed, so no op ever reads a slot that was reused. When the
+//! order of uses changes, the prefetched slots are dropped (a generation counter invalidates
+//! fills in flight) and the compute thread fetches on demand for the rest of the step.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use burn::tensor::ops::FloatTensor;
+
+use crate::config::OffloadConfig;
+use crate::policy::{self, PlanLimits, Route, Schedule, ScheduleOutcome, Use, WeightProfile};
+use crate::stats::StepStats;
+use crate::target::StreamTarget;
+use crate::weight::HostWeight;
+
+/// The streaming engine of one device: streamed weights keep it alive, and its loader thread
+/// stops when it is dropped.
+pub struct Engine<B: StreamTarget> {
+    device: B::Device,
+    shared: Arc<Shared<B>>,
+}
+
+struct Shared<B: StreamTarget> {
+    state: Mutex<State<B>>,
+    changed: Condvar,
+}
+
+enum Slot<F> {
+    Free,
+    /// Released after an op that read it; reusable once `fence` has passed. `order` counts
+    /// releases, so the oldest is reused first.
+    Fenced {
+        fence: F,
+        order: u64,
+    },
+    /// Being filled, for replay use `use_index` (the loader) or on demand (`None`).
+    Filling {
+        use_index: Option<usize>,
+    },
+    Ready {
+        use_index: usize,
+    },
+    InUse,
+}
+
+struct Ring<B: StreamTarget> {
+    memory: Arc<B::Ring>,
+    slots: Vec<Slot<B::Fence>>,
+    slot_bytes: usize,
+}
+
+/// A slot claimed for filling: what must happen before the copy.
+struct Claim<B: StreamTarget> {
+    slot: usize,
+    fence: Option<B::Fence>,
+    memory: Arc<B::Ring>,
+}
+
+#[derive(Default)]
+struct Counters {
+    weight_uses: u64,
+    prefetched: u64,
+    on_demand: u64,
+    direct: u64,
+    resident_hits: u64,
+    materialized: u64,
+    materialized_bytes: u64,
+    bytes_uploaded: u64,
+    upload: Duration,
+    wait: Duration,
+    peak_device_bytes: Option<u64>,
+}
+
+struct State<B: StreamTarget> {
+    config: OffloadConfig,
+    weights: BTreeMap<u64, Weak<HostWeight>>,
+    routes: HashMap<u64, Route>,
+    resident: HashMap<u64, FloatTensor<B>>,
+    ring: Option<Ring<B>>,
+    loader_started: bool,
+    schedule: Schedule,
+    /// How many uses ahead of the compute the loader may fill.
+    depth: usize,
+    /// The next replay use the loader considers.
+    next_fill: usize,
+    /// Replay uses the compute has started.
+    consumed: usize,
+    /// Bumped to invalidate prefetched slots and fills in flight.
+    generation: u64,
+    releases: u64,
+    /// Uses and FLOP per weight in the current step.
+    profile: BTreeMap<u64, (u64, f64)>,
+    counters: Counters,
+    step_started: Option<Instant>,
+    steps: u64,
+    shutdown: bool,
+}
+
+impl<B: StreamTarget> State<B> {
+    fn route(&self, weight: &HostWeight) -> Route {
+        let route = self.routes.get(&weight.id).copied().unwrap_or(Route::Ring);
+        match (route, &self.ring) {
+            // A weight registered after the ring was sized, and larger than its slots.
+            (Route::Ring, Some(ring)) if B::slot_bytes(weight) > ring.slot_bytes => Route::Direct,
+            _ => route,
+        }
+    }
+
+    /// Cancels prefetching: fills in flight will be discarded, ready slots are freed.
+    fn cancel_prefetch(&mut self) {
+        self.generation += 1;
+        if let Some(ring) = &mut self.ring {
+            for slot in &mut ring.slots {
+                if matches!(slot, Slot::Ready { .. }) {
+                    *slot = Slot::Free;
+                }
+            }
+        }
+    }
+
+    /// Takes a free slot, or else the oldest fenced one, for filling.
+    fn claim(&mut self, use_index: Option<usize>) -> Option<Claim<B>> {
+        let ring = self.ring.as_mut()?;
+        let index = ring
+            .slots
+            .iter()
+            .position(|s| matches!(s, Slot::Free))
+            .or_else(|| {
+                ring.slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| match s {
+                        Slot::Fenced { order, .. } => Some((i, *order)),
+                        _ => None,
+                    })
+                    .min_by_key(|(_, order)| *order)
+                    .map(|(i, _)| i)
+            })?;
+        let fence = match std::mem::replace(&mut ring.slots[index], Slot::Filling { use_index }) {
+            Slot::Fenced { fence, .. } => Some(fence),
+            _ => None,
+        };
+        Some(Claim {
+            slot: index,
+            fence,
+            memory: ring.memory.clone(),
+        })
+    }
+
+    /// The loader's next job: the next replay use that goes through the ring, within the
+    /// prefetch depth, with a slot to put it in.
+    fn next_job(&mut self) -> Option<(Claim<B>, Arc<HostWeight>, usize, u64)> {
+        self.ring.as_ref()?;
+        loop {
+            let order = self.schedule.replay_order()?;
+            if self.next_fill >= order.len() || self.next_fill >= self.consumed + self.depth {
+                return None;
+            }
+            let index = self.next_fill;
+            let key = order[index];
+            let weight = self.weights.get(&key).and_then(Weak::upgrade);
+            match weight {
+                Some(weight) if self.route(&weight) == Route::Ring => {
+                    let claim = self.claim(Some(index))?;
+                    self.next_fill += 1;
+                    return Some((claim, weight, index, self.generation));
+                }
+                // The compute takes resident and direct weights itself.
+                _ => self.next_fill += 1,
+            }
+        }
+    }
+
+    fn slot_with(&self, pred: impl Fn(&Slot<B::Fence>) -> bool) -> Option<usize> {
+        self.ring.as_ref()?.slots.iter().position(pred)
+    }
+
+    fn sample_memory(&mut self, device: &B::Device) {
+        if let Some(bytes) = B::memory_in_use(device) {
+            let peak = self.counters.peak_device_bytes.get_or_insert(0);
+            *peak = (*peak).max(bytes);
+        }
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.resident
+            .keys()
+            .filter_map(|id| self.weights.get(id).and_then(Weak::upgrade))
+            .map(|w| w.device_bytes() as u64)
+            .sum()
+    }
+
+    fn ring_bytes(&self) -> u64 {
+        self.ring
+            .as_ref()
+            .map_or(0, |r| (r.slots.len() * r.slot_bytes) as u64)
+    }
+
+    /// Recomputes the routes from the profile of the step just ended (or, before any step,
+    /// from sizes alone) and drops resident copies that are no longer wanted.
+    fn replan(&mut self) {
+        self.weights.retain(|_, w| w.strong_count() > 0);
+        let live: Vec<Arc<HostWeight>> = self.weights.values().filter_map(Weak::upgrade).collect();
+        let profiled = !self.profile.is_empty();
+        let profiles: Vec<WeightProfile> = live
+            .iter()
+            .map(|w| {
+                let (uses, flops) = match self.profile.get(&w.id) {
+                    Some(&p) => p,
+                    None if profiled => (0, 0.0),
+                    // Nothing measured yet: every weight counts as used once, without compute.
+                    None => (1, 0.0),
+                };
+                WeightProfile {
+                    device_bytes: w.device_bytes() as u64,
+                    wire_bytes: w.wire_bytes() as u64,
+                    slot_bytes: B::slot_bytes(w) as u64,
+                    uses,
+                    flops,
+                }
+            })
+            .collect();
+        let c = &self.config;
+        let plan = policy::plan(
+            &profiles,
+            &PlanLimits {
+                vram_budget: c.vram_budget,
+                activation_headroom: c.activation_headroom,
+                ring_slots: c.ring_slots,
+                direct_threshold: c.direct_threshold,
+                link_bytes_per_second: c.link_bytes_per_second,
+                compute_flops_per_second: c.compute_flops_per_second,
+            },
+        );
+        self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
+        let routes = &self.routes;
+        self.resident
+            .retain(|id, _| routes.get(id) == Some(&Route::Resident));
+        tracing::debug!(
+            weights = live.len(),
+            resident_bytes = plan.resident_bytes,
+            ring_bytes = plan.ring_bytes,
+            "offload plan"
+        );
+    }
+
+    /// Slot size the current routes need.
+    fn wanted_slot_bytes(&self) -> usize {
+        self.weights
+            .values()
+            .filter_map(Weak::upgrade)
+            .filter(|w| self.routes.get(&w.id).copied().unwrap_or(Route::Ring) == Route::Ring)
+            .map(|w| B::slot_bytes(&w))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Releases a slot when dropped, also when the op that read it panicked.
+struct SlotLease<'a, B: StreamTarget> {
+    engine: &'a Engine<B>,
+    slot: usize,
+}
+
+impl<B: StreamTarget> Drop for SlotLease<'_, B> {
+    fn drop(&mut self) {
+        self.engine.release(self.slot);
+    }
+}
+
+impl<B: StreamTarget> Drop for Engine<B> {
+    fn drop(&mut self) {
+        self.lock().shutdown = true;
+        self.shared.changed.notify_all();
+    }
+}
+
+impl<B: StreamTarget> Engine<B> {
+    /// An engine for `device` with `config` (validated by the caller) and no weights.
+    pub fn new(device: B::Device, config: OffloadConfig) -> Self {
+        Self {
+            device,
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    config,
+                    weights: BTreeMap::new(),
+                    routes: HashMap::new(),
+                    resident: HashMap::new(),
+                    ring: None,
+                    loader_started: false,
+                    schedule: Schedule::new(),
+                    depth: 0,
+                    next_fill: 0,
+                    consumed: 0,
+                    generation: 0,
+                    releases: 0,
+                    profile: BTreeMap::new(),
+                    counters: Counters::default(),
+                    step_started: None,
+                    steps: 0,
+                    shutdown: false,
+                }),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        self.shared.state.lock().unwrap()
+    }
+
+    /// The device this engine serves.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Replaces the configuration (validated by the caller) and replans.
+    pub fn configure(&self, config: OffloadConfig) {
+        let mut st = self.lock();
+        if config.ring_slots != st.config.ring_slots {
+            st.schedule.reset();
+        }
+        st.config = config;
+        st.replan();
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> OffloadConfig {
+        self.lock().config.clone()
+    }
+
+    /// Registers weights and replans.
+    pub fn register(&self, weights: &[Arc<HostWeight>]) {
+        let mut st = self.lock();
+        for w in weights {
+            st.weights.insert(w.id, Arc::downgrade(w));
+        }
+        st.replan();
+    }
+
+    /// The route of every live weight, by name, in registration order.
+    pub fn routes(&self) -> Vec<(String, Route)> {
+        let st = self.lock();
+        st.weights
+            .values()
+            .filter_map(Weak::upgrade)
+            .map(|w| (w.name.clone(), st.route(&w)))
+            .collect()
+    }
+
+    /// Starts a step: the schedule replays (or records), the loader starts prefetching.
+    pub fn begin_step(&self) {
+        let mut st = self.lock();
+        st.schedule.begin_step();
+        st.cancel_prefetch();
+        st.next_fill = 0;
+        st.consumed = 0;
+        st.profile.clear();
+        st.counters = Counters::default();
+        st.step_started = Some(Instant::now());
+        st = self.resize_ring(st);
+        st.sample_memory(&self.device);
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// Ends the step: replans after a recording, and returns (and logs) the step's statistics.
+    pub fn end_step(&self) -> StepStats {
+        let mut st = self.lock();
+        let schedule = st.schedule.end_step();
+        if matches!(
+            schedule,
+            ScheduleOutcome::Recorded { .. } | ScheduleOutcome::Diverged { .. }
+        ) {
+            st.replan();
+        }
+        st.cancel_prefetch();
+        st.steps += 1;
+        st.sample_memory(&self.device);
+        let c = std::mem::take(&mut st.counters);
+        let stats = StepStats {
+            step: st.steps,
+            schedule,
+            weight_uses: c.weight_uses,
+            prefetched: c.prefetched,
+            on_demand: c.on_demand,
+            direct: c.direct,
+            resident_hits: c.resident_hits,
+            materialized: c.materialized,
+            materialized_bytes: c.materialized_bytes,
+            bytes_uploaded: c.bytes_uploaded,
+            upload_seconds: c.upload.as_secs_f64(),
+            wait_seconds: c.wait.as_secs_f64(),
+            step_seconds: st
+                .step_started
+                .take()
+                .map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            resident_bytes: st.resident_bytes(),
+            ring_bytes: st.ring_bytes(),
+            peak_device_bytes: c.peak_device_bytes,
+        };
+        drop(st);
+        tracing::info!(
+            step = stats.step,
+            schedule = ?stats.schedule,
+            uses = stats.weight_uses,
+            prefetched = stats.prefetched,
+            on_demand = stats.on_demand,
+            materialized = stats.materialized,
+            uploaded_mb = stats.bytes_uploaded / 1_000_000,
+            upload_gbps = stats.upload_gbps(),
+            wait_s = stats.wait_seconds,
+            overlap = stats.overlap(),
+            resident_mb = stats.resident_bytes / 1_000_000,
+            ring_mb = stats.ring_bytes / 1_000_000,
+            peak_mb = stats.peak_device_bytes.map(|b| b / 1_000_000),
+            "offload step"
+        );
+        stats
+    }
+
+    /// Builds, rebuilds or drops the ring to match the configuration and the routes, once no
+    /// slot is being filled or read.
+    fn resize_ring<'a>(&'a self, mut st: MutexGuard<'a, State<B>>) -> MutexGuard<'a, State<B>> {
+        let wanted = (st.config.ring_slots, st.wanted_slot_bytes());
+        let current = st.ring.as_ref().map(|r| (r.slots.len(), r.slot_bytes));
+        let fits = current.is_some_and(|(n, bytes)| n == wanted.0 && bytes >= wanted.1);
+        if fits || (current.is_none() && wanted.1 == 0) {
+            return st;
+        }
+        while st
+            .slot_with(|s| matches!(s, Slot::Filling { .. } | Slot::InUse))
+            .is_some()
+        {
+            st = self.shared.changed.wait(st).unwrap();
+        }
+        st.ring = None;
+        if wanted.1 > 0 {
+            let memory = B::new_ring(&self.device, wanted.0, wanted.1)
+                .unwrap_or_else(|e| panic!("allocating the offload ring: {e}"));
+            st.ring = Some(Ring {
+                memory: Arc::new(memory),
+                slots: (0..wanted.0).map(|_| Slot::Free).collect(),
+                slot_bytes: wanted.1,
+            });
+            if !st.loader_started {
+                st.loader_started = true;
+                let shared = self.shared.clone();
+                std::thread::Builder::new()
+                    .name("offload-loader".into())
+                    .spawn(move || loader::<B>(shared))
+                    .expect("spawning the offload loader thread");
+            }
+        }
+        st
+    }
+
+    /// Runs `op` on `weight`, fetched from wherever its route says; `flops` is the op's cost
+    /// (for the planner) and `depth` gives how far ahead of the compute the loader may fill,
+    /// for the configured number of slots.
+    pub fn with_weight<R>(
+        &self,
+        weight: &Arc<HostWeight>,
+        flops: f64,
+        depth: fn(usize) -> usize,
+        op: impl FnOnce(FloatTensor<B>) -> R,
+    ) -> R {
+        let mut st = self.lock();
+        let depth = depth(st.config.ring_slots);
+        st.depth = depth;
+        st.counters.weight_uses += 1;
+        let entry = st.profile.entry(weight.id).or_insert((0, 0.0));
+        entry.0 += 1;
+        entry.1 += flops;
+        let decision = st.schedule.on_use(weight.id);
+        if decision == Use::Fallback {
+            // The order left the recording: drop what was prefetched (a no-op after the first
+            // such use, as the loader has nothing left to replay).
+            st.cancel_prefetch();
+        }
+        if st.ring.is_none() && st.route(weight) == Route::Ring {
+            st = self.resize_ring(st);
+        }
+        match st.route(weight) {
+            Route::Resident => {
+                let tensor = match st.resident.get(&weight.id).cloned() {
+                    Some(t) => {
+                        st.counters.resident_hits += 1;
+                        t
+                    }
+                    None => {
+                        drop(st);
+                        let t = self.upload(weight);
+                        st = self.lock();
+                        st.resident.insert(weight.id, t.clone());
+                        t
+                    }
+                };
+                drop(st);
+                op(tensor)
+            }
+            Route::Direct => {
+                st.counters.direct += 1;
+                drop(st);
+                op(self.upload(weight))
+            }
+            Route::Ring => {
+                let slot = match decision {
+                    Use::Replay(index) if depth > 0 => self.take_prefetched(st, weight, index),
+                    _ => self.fetch_on_demand(st, weight),
+                };
+                let Some(slot) = slot else {
+                    return op(self.upload(weight));
+                };
+                let lease = SlotLease { engine: self, slot };
+                let view = {
+                    let st = self.lock();
+                    let ring = st.ring.as_ref().expect("ring of a leased slot");
+                    B::view(&ring.memory, slot, weight, &self.device)
+                };
+                let out = op(view);
+                drop(lease);
+                out
+            }
+        }
+    }
+
+    /// Waits for the slot the loader fills for replay use `index`.
+    fn take_prefetched(
+        &self,
+        mut st: MutexGuard<'_, State<B>>,
+        weight: &Arc<HostWeight>,
+        index: usize,
+    ) -> Option<usize> {
+        st.consumed = index;
+        self.shared.changed.notify_all();
+        let started = Instant::now();
+        let slot = loop {
+            if let Some(slot) =
+                st.slot_with(|s| matches!(s, Slot::Ready { use_index } if *use_index == index))
+            {
+                break Some(slot);
+            }
+            let coming = st.next_fill <= index
+                || st
+                    .slot_with(|s| matches!(s, Slot::Filling { use_index: Some(i) } if *i == index))
+                    .is_some();
+            if !coming {
+                break None;
+            }
+            st = self.shared.changed.wait(st).unwrap();
+        };
+        st.counters.wait += started.elapsed();
+        st.consumed = index + 1;
+        match slot {
+            Some(slot) => {
+                st.ring.as_mut().expect("ring").slots[slot] = Slot::InUse;
+                st.counters.prefetched += 1;
+                st.sample_memory(&self.device);
+                drop(st);
+                self.shared.changed.notify_all();
+                Some(slot)
+            }
+            None => self.fetch_on_demand(st, weight),
+        }
+    }
+
+    /// Fills a slot on the compute thread; `None` when no slot can become free (every slot is
+    /// held by an op in progress), in which case the caller uploads directly.
+    fn fetch_on_demand(
+        &self,
+        mut st: MutexGuard<'_, State<B>>,
+        weight: &Arc<HostWeight>,
+    ) -> Option<usize> {
+        let started = Instant::now();
+        let claim = loop {
+            if let Some(claim) = st.claim(None) {
+                break claim;
+            }
+            if st.slot_with(|s| matches!(s, Slot::Ready { .. })).is_some() {
+                // Prefetched for later uses that this fetch pre-empts.
+                st.cancel_prefetch();
+                continue;
+            }
+            // Every slot is held by an op in progress: nothing will free one.
+            st.slot_with(|s| matches!(s, Slot::Filling { .. }))?;
+            st = self.shared.changed.wait(st).unwrap();
+        };
+        let poison = st.config.poison_released_slots;
+        drop(st);
+        if let Some(fence) = claim.fence {
+            B::wait(fence);
+        }
+        if poison {
+            B::poison(&claim.memory, claim.slot).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let copy = Instant::now();
+        B::fill(&claim.memory, claim.slot, weight)
+            .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
+        let mut st = self.lock();
+        st.counters.upload += copy.elapsed();
+        st.counters.wait += started.elapsed();
+        st.counters.bytes_uploaded += weight.wire_bytes() as u64;
+        st.counters.on_demand += 1;
+        st.ring.as_mut().expect("ring").slots[claim.slot] = Slot::InUse;
+        st.sample_memory(&self.device);
+        Some(claim.slot)
+    }
+
+    fn release(&self, slot: usize) {
+        let fence = B::fence(&self.device);
+        let mut st = self.lock();
+        let poison = st.config.poison_released_slots;
+        let order = st.releases;
+        st.releases += 1;
+        let ring = st.ring.as_mut().expect("ring of a leased slot");
+        ring.slots[slot] = match fence {
+            Some(fence) => Slot::Fenced { fence, order },
+            None => {
+                if poison {
+                    B::poison(&ring.memory, slot).unwrap_or_else(|e| panic!("{e}"));
+                }
+                Slot::Free
+            }
+        };
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+
+    /// Uploads `weight` into a tensor of its own, counting the bytes and the time.
+    fn upload(&self, weight: &HostWeight) -> FloatTensor<B> {
+        let started = Instant::now();
+        let tensor = B::upload(weight, &self.device)
+            .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
+        let mut st = self.lock();
+        let elapsed = started.elapsed();
+        st.counters.upload += elapsed;
+        st.counters.wait += elapsed;
+        st.counters.bytes_uploaded += weight.wire_bytes() as u64;
+        st.sample_memory(&self.device);
+        tensor
+    }
+
+    /// `weight` as a tensor of its own, for an op that does not stream (counted and logged).
+    pub fn materialize(&self, weight: &HostWeight) -> FloatTensor<B> {
+        let mut st = self.lock();
+        st.counters.materialized += 1;
+        if let Some(t) = st.resident.get(&weight.id) {
+            return t.clone();
+        }
+        st.counters.materialized_bytes += weight.wire_bytes() as u64;
+        drop(st);
+        tracing::debug!(weight = %weight.name, "materializing a streamed weight");
+        self.upload(weight)
+    }
+}
+
+/// The loader thread: fills slots for the replayed schedule, ahead of the compute.
+fn loader<B: StreamTarget>(shared: Arc<Shared<B>>) {
+    let mut st = shared.state.lock().unwrap();
+    loop {
+        if st.shutdown {
+            return;
+        }
+        let Some((claim, weight, use_index, generation)) = st.next_job() else {
+            st = shared.changed.wait(st).unwrap();
+            continue;
+        };
+        let poison = st.config.poison_released_slots;
+        drop(st);
+        if let Some(fence) = claim.fence {
+            B::wait(fence);
+        }
+        if poison {
+            B::poison(&claim.memory, claim.slot).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let started = Instant::now();
+        B::fill(&claim.memory, claim.slot, &weight)
+            .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
+        let elapsed = started.elapsed();
+        st = shared.state.lock().unwrap();
+        st.counters.upload += elapsed;
+        st.counters.bytes_uploaded += weight.wire_bytes() as u64;
+        let current = st.generation == generation;
+        if let Some(ring) = st
+            .ring
+            .as_mut()
+            .filter(|r| Arc::ptr_eq(&r.memory, &claim.memory))
+        {
+            ring.slots[claim.slot] = if current {
+                Slot::Ready { use_index }
+            } else {
+                Slot::Free
+            };
+        }
+        shared.changed.notify_all();
+    }
+}

@@ -1,0 +1,537 @@
+//! Decisions, free of device code: the prefetch schedule and the residency plan.
+//!
+//! The engine asks [`Schedule`] what each weight use is (recorded, replayed, or fetched on demand
+//! after the order changed) and asks [`plan`] which weights stay resident; it executes the answers
+//! with its ring, loader thread and fences. Nothing here imports Burn or touches a device.
+
+/// A weight, as the policy knows it: an opaque key.
+pub type WeightKey = u64;
+
+/// What the schedule says about one weight use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Use {
+    /// No step is running: fetch on demand, record nothing.
+    Unscheduled,
+    /// The step is being recorded: fetch on demand.
+    Record,
+    /// The use matches position `index` of the recorded order, so the loader has fetched (or
+    /// is fetching) its weight.
+    Replay(usize),
+    /// The order diverged from the recording at this use or earlier in the step: fetch on
+    /// demand for the rest of the step.
+    Fallback,
+}
+
+/// How a step went, as far as the schedule is concerned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScheduleOutcome {
+    /// Uses outside `begin_step` / `end_step`.
+    #[default]
+    Unscheduled,
+    /// The step's order was recorded; the next step replays it.
+    Recorded {
+        /// Weight uses in the step.
+        uses: usize,
+    },
+    /// The step followed the recorded order to the end.
+    Replayed {
+        /// Weight uses in the step.
+        uses: usize,
+    },
+    /// The order changed at use `at` (or the step ended there); the rest was fetched on demand
+    /// and the step's own order replaces the recording.
+    Diverged {
+        /// Index of the first use that differed.
+        at: usize,
+        /// Weight uses in the step.
+        uses: usize,
+    },
+}
+
+#[derive(Debug)]
+enum StepState {
+    Idle,
+    Recording(Vec<WeightKey>),
+    Replaying(usize),
+    Diverged { at: usize, seen: Vec<WeightKey> },
+}
+
+/// Records the order of weight uses in a step and replays it in later steps.
+///
+/// The first step records; each later step compares every use with the recording. On the first
+/// mismatch (another weight, more uses than recorded, or fewer when the step ends) the rest of
+/// the step is fetched on demand and its complete order becomes the new recording.
+#[derive(Debug)]
+pub struct Schedule {
+    order: Option<Vec<WeightKey>>,
+    state: StepState,
+}
+
+impl Default for Schedule {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Schedule {
+    /// A schedule with nothing recorded.
+    pub fn new() -> Self {
+        Self {
+            order: None,
+            state: StepState::Idle,
+        }
+    }
+
+    /// Starts a step (ending a step left open, if any): replays the recording if there is one,
+    /// records otherwise.
+    pub fn begin_step(&mut self) {
+        if !matches!(self.state, StepState::Idle) {
+            self.end_step();
+        }
+        self.state = match self.order {
+            Some(_) => StepState::Replaying(0),
+            None => StepState::Recording(Vec::new()),
+        };
+    }
+
+    /// Classifies the next use, of weight `key`.
+    pub fn on_use(&mut self, key: WeightKey) -> Use {
+        match &mut self.state {
+            StepState::Idle => Use::Unscheduled,
+            StepState::Recording(seen) => {
+                seen.push(key);
+                Use::Record
+            }
+            StepState::Replaying(pos) => {
+                let at = *pos;
+                let order = self.order.as_deref().unwrap_or_default();
+                if order.get(at) == Some(&key) {
+                    *pos += 1;
+                    Use::Replay(at)
+                } else {
+                    let mut seen = order[..at].to_vec();
+                    seen.push(key);
+                    self.state = StepState::Diverged { at, seen };
+                    Use::Fallback
+                }
+            }
+            StepState::Diverged { seen, .. } => {
+                seen.push(key);
+                Use::Fallback
+            }
+        }
+    }
+
+    /// Ends the step and says how it went; a recorded or diverged step's order becomes the
+    /// recording.
+    pub fn end_step(&mut self) -> ScheduleOutcome {
+        match std::mem::replace(&mut self.state, StepState::Idle) {
+            StepState::Idle => ScheduleOutcome::Unscheduled,
+            StepState::Recording(seen) => {
+                let uses = seen.len();
+                self.order = Some(seen);
+                ScheduleOutcome::Recorded { uses }
+            }
+            StepState::Replaying(pos) => {
+                let order = self.order.as_mut().expect("replaying without a recording");
+                if pos == order.len() {
+                    ScheduleOutcome::Replayed { uses: pos }
+                } else {
+                    order.truncate(pos);
+                    ScheduleOutcome::Diverged { at: pos, uses: pos }
+                }
+            }
+            StepState::Diverged { at, seen } => {
+                let uses = seen.len();
+                self.order = Some(seen);
+                ScheduleOutcome::Diverged { at, uses }
+            }
+        }
+    }
+
+    /// The recorded order, while a step replays it (the loader's work list).
+    pub fn replay_order(&self) -> Option<&[WeightKey]> {
+        match self.state {
+            StepState::Replaying(_) => self.order.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Forgets the recording and abandons the step in progress: the next step records again.
+    pub fn reset(&mut self) {
+        self.order = None;
+        self.state = StepState::Idle;
+    }
+}
+
+/// One weight as the planner sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightProfile {
+    /// Bytes it occupies on the device when resident (decoded, in its compute dtype).
+    pub device_bytes: u64,
+    /// Bytes one upload moves over the bus (the wire payload).
+    pub wire_bytes: u64,
+    /// Bytes it needs in a ring slot.
+    pub slot_bytes: u64,
+    /// Uses per step: each use of a streamed weight is one upload.
+    pub uses: u64,
+    /// Floating-point operations of those uses per step (the compute that can hide transfers).
+    pub flops: f64,
+}
+
+/// What bounds the plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlanLimits {
+    /// Device bytes for resident weights, the ring and activations.
+    pub vram_budget: u64,
+    /// Bytes of the budget reserved for activations.
+    pub activation_headroom: u64,
+    /// Slots in the ring.
+    pub ring_slots: usize,
+    /// Streamed weights with a smaller wire payload take the direct path.
+    pub direct_threshold: u64,
+    /// Assumed host-to-device bandwidth (bytes per second).
+    pub link_bytes_per_second: f64,
+    /// Assumed compute throughput (FLOP per second).
+    pub compute_flops_per_second: f64,
+}
+
+/// Where a weight comes from when an op needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// Uploaded once and kept on the device.
+    Resident,
+    /// Streamed through the ring, prefetched when the schedule allows.
+    Ring,
+    /// Small: uploaded on demand into a buffer of its own.
+    Direct,
+}
+
+/// The planner's decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// One route per weight, in the order given.
+    pub routes: Vec<Route>,
+    /// Bytes of the resident weights.
+    pub resident_bytes: u64,
+    /// Bytes of one ring slot (0 when nothing goes through the ring).
+    pub slot_bytes: u64,
+    /// Bytes of the whole ring.
+    pub ring_bytes: u64,
+}
+
+/// Seconds of a weight's transfers per step that its own compute cannot cover.
+fn exposed_seconds(w: &WeightProfile, limits: &PlanLimits) -> f64 {
+    let transfer = (w.uses * w.wire_bytes) as f64 / limits.link_bytes_per_second;
+    let compute = w.flops / limits.compute_flops_per_second;
+    (transfer - compute).max(0.0)
+}
+
+/// Chooses, deterministically, which weights stay resident.
+///
+/// Weights are ranked by the transfer time they would expose per step for each byte of VRAM
+/// they occupy (the least hideable first), then by the bytes they would move per step, then by
+/// their index. Following that order, a weight becomes resident if the resident weights, itself
+/// and the ring still needed for the weights left streaming fit in
+/// `vram_budget - activation_headroom`; at each rank, all remaining weights become resident at
+/// once if they fit without a ring. Weights not used in a step are never made resident.
+/// The others stream: through the ring, or by the direct path below `direct_threshold`.
+pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
+    let available = limits
+        .vram_budget
+        .saturating_sub(limits.activation_headroom);
+    let streamed_route = |w: &WeightProfile| {
+        if w.wire_bytes < limits.direct_threshold {
+            Route::Direct
+        } else {
+            Route::Ring
+        }
+    };
+    let mut routes: Vec<Route> = weights.iter().map(streamed_route).collect();
+    let ring_bytes = |routes: &[Route]| {
+        let slot = slot_bytes(weights, routes);
+        slot * limits.ring_slots as u64
+    };
+
+    let mut ranked: Vec<(usize, f64, u64)> = weights
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.uses > 0)
+        .map(|(i, w)| {
+            let per_byte = exposed_seconds(w, limits) / w.device_bytes.max(1) as f64;
+            (i, per_byte, w.uses * w.wire_bytes)
+        })
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)));
+
+    let mut resident_bytes = 0u64;
+    for (rank, &(i, _, _)) in ranked.iter().enumerate() {
+        // Taking every remaining candidate may fit where taking them one by one does not,
+        // because the ring is no longer needed once nothing streams through it.
+        let rest = &ranked[rank..];
+        let mut all = routes.clone();
+        rest.iter().for_each(|&(j, _, _)| all[j] = Route::Resident);
+        let rest_bytes: u64 = rest.iter().map(|&(j, _, _)| weights[j].device_bytes).sum();
+        if resident_bytes + rest_bytes + ring_bytes(&all) <= available {
+            routes = all;
+            resident_bytes += rest_bytes;
+            break;
+        }
+        let previous = routes[i];
+        routes[i] = Route::Resident;
+        let needed = resident_bytes + weights[i].device_bytes + ring_bytes(&routes);
+        if needed <= available {
+            resident_bytes += weights[i].device_bytes;
+        } else {
+            routes[i] = previous;
+        }
+    }
+    let slot_bytes = slot_bytes(weights, &routes);
+    Plan {
+        ring_bytes: slot_bytes * limits.ring_slots as u64,
+        routes,
+        resident_bytes,
+        slot_bytes,
+    }
+}
+
+fn slot_bytes(weights: &[WeightProfile], routes: &[Route]) -> u64 {
+    weights
+        .iter()
+        .zip(routes)
+        .filter(|(_, r)| **r == Route::Ring)
+        .map(|(w, _)| w.slot_bytes)
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replay(schedule: &mut Schedule, keys: &[WeightKey]) -> (Vec<Use>, ScheduleOutcome) {
+        schedule.begin_step();
+        let uses = keys.iter().map(|&k| schedule.on_use(k)).collect();
+        (uses, schedule.end_step())
+    }
+
+    #[test]
+    fn uses_outside_a_step_are_unscheduled() {
+        let mut s = Schedule::new();
+        assert_eq!(s.on_use(1), Use::Unscheduled);
+        assert_eq!(s.end_step(), ScheduleOutcome::Unscheduled);
+        assert_eq!(s.replay_order(), None);
+    }
+
+    #[test]
+    fn first_step_records_and_later_steps_replay() {
+        let mut s = Schedule::new();
+        let order = [3, 1, 4, 1, 5];
+        let (uses, outcome) = replay(&mut s, &order);
+        assert_eq!(uses, vec![Use::Record; 5]);
+        assert_eq!(outcome, ScheduleOutcome::Recorded { uses: 5 });
+        for _ in 0..2 {
+            s.begin_step();
+            assert_eq!(s.replay_order(), Some(&order[..]));
+            let uses: Vec<Use> = order.iter().map(|&k| s.on_use(k)).collect();
+            assert_eq!(uses, (0..5).map(Use::Replay).collect::<Vec<_>>());
+            assert_eq!(s.end_step(), ScheduleOutcome::Replayed { uses: 5 });
+        }
+    }
+
+    #[test]
+    fn divergence_falls_back_and_rerecords() {
+        // (recorded, next step, expected uses, expected outcome)
+        type Case = (Vec<WeightKey>, Vec<WeightKey>, Vec<Use>, ScheduleOutcome);
+        let r = Use::Replay;
+        let f = Use::Fallback;
+        let cases: Vec<Case> = vec![
+            // another weight in the middle
+            (
+                vec![1, 2, 3, 4],
+                vec![1, 2, 9, 4],
+                vec![r(0), r(1), f, f],
+                ScheduleOutcome::Diverged { at: 2, uses: 4 },
+            ),
+            // more uses than recorded (a larger input, an extra branch)
+            (
+                vec![1, 2],
+                vec![1, 2, 3],
+                vec![r(0), r(1), f],
+                ScheduleOutcome::Diverged { at: 2, uses: 3 },
+            ),
+            // fewer uses: noticed when the step ends
+            (
+                vec![1, 2, 3],
+                vec![1, 2],
+                vec![r(0), r(1)],
+                ScheduleOutcome::Diverged { at: 2, uses: 2 },
+            ),
+            // the very first use differs
+            (
+                vec![1, 2],
+                vec![2, 1],
+                vec![f, f],
+                ScheduleOutcome::Diverged { at: 0, uses: 2 },
+            ),
+        ];
+        for (recorded, next, expected_uses, expected_outcome) in cases {
+            let mut s = Schedule::new();
+            replay(&mut s, &recorded);
+            let (uses, outcome) = replay(&mut s, &next);
+            assert_eq!(uses, expected_uses, "{recorded:?} then {next:?}");
+            assert_eq!(outcome, expected_outcome, "{recorded:?} then {next:?}");
+            // The diverged step's order is the new recording.
+            let (uses, outcome) = replay(&mut s, &next);
+            assert_eq!(uses, (0..next.len()).map(Use::Replay).collect::<Vec<_>>());
+            assert_eq!(outcome, ScheduleOutcome::Replayed { uses: next.len() });
+        }
+    }
+
+    #[test]
+    fn an_open_step_is_closed_by_the_next_begin() {
+        let mut s = Schedule::new();
+        s.begin_step();
+        s.on_use(7);
+        s.begin_step();
+        assert_eq!(s.on_use(7), Use::Replay(0));
+        s.reset();
+        s.begin_step();
+        assert_eq!(s.on_use(7), Use::Record);
+    }
+
+    fn weight(bytes: u64, uses: u64, flops: f64) -> WeightProfile {
+        WeightProfile {
+            device_bytes: bytes,
+            wire_bytes: bytes,
+            slot_bytes: bytes,
+            uses,
+            flops,
+        }
+    }
+
+    fn limits(budget: u64) -> PlanLimits {
+        PlanLimits {
+            vram_budget: budget,
+            activation_headroom: 0,
+            ring_slots: 2,
+            direct_threshold: 10,
+            // 100 bytes take 1 s; 100 FLOP take 1 s.
+            link_bytes_per_second: 100.0,
+            compute_flops_per_second: 100.0,
+        }
+    }
+
+    #[test]
+    fn planner_table() {
+        use Route::{Direct as D, Resident as R, Ring as S};
+        // Four 100-byte weights used 3 times per step (forward, recompute, backward); weight 2
+        // has no compute to hide behind (a modulation-like matrix applied to one token), weight
+        // 0 hides its transfers completely (400 FLOP take longer than 3 x 100 bytes).
+        let four = vec![
+            weight(100, 3, 400.0),
+            weight(100, 3, 100.0),
+            weight(100, 3, 0.0),
+            weight(100, 3, 200.0),
+        ];
+        let mut five = four.clone();
+        five.push(weight(100, 3, 50.0));
+        // (name, weights, limits, expected routes, resident bytes, ring bytes)
+        type Case = (
+            &'static str,
+            Vec<WeightProfile>,
+            PlanLimits,
+            Vec<Route>,
+            u64,
+            u64,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "budget 0 streams all",
+                four.clone(),
+                limits(0),
+                vec![S, S, S, S],
+                0,
+                200,
+            ),
+            (
+                "everything fits",
+                four.clone(),
+                limits(400),
+                vec![R, R, R, R],
+                400,
+                0,
+            ),
+            // 399 bytes: the ring (2 x 100) leaves room for one weight: the least hideable.
+            (
+                "one fits",
+                four.clone(),
+                limits(399),
+                vec![S, S, R, S],
+                100,
+                200,
+            ),
+            ("two fit", five, limits(400), vec![S, S, R, S, R], 200, 200),
+            (
+                "headroom is taken first",
+                four.clone(),
+                PlanLimits {
+                    activation_headroom: 101,
+                    ..limits(500)
+                },
+                vec![S, S, R, S],
+                100,
+                200,
+            ),
+            (
+                "unused weights never become resident",
+                vec![weight(100, 0, 0.0), weight(100, 1, 0.0)],
+                limits(1000),
+                vec![S, R],
+                100,
+                200,
+            ),
+            (
+                "small weights take the direct path",
+                vec![weight(5, 1, 0.0), weight(100, 1, 0.0)],
+                limits(0),
+                vec![D, S],
+                0,
+                200,
+            ),
+            (
+                "the ring shrinks when the largest weight becomes resident",
+                vec![
+                    weight(300, 1, 0.0),
+                    weight(100, 1, 0.0),
+                    weight(100, 1, 0.0),
+                    weight(100, 1, 0.0),
+                ],
+                limits(550),
+                vec![R, S, S, S],
+                300,
+                200,
+            ),
+        ];
+        for (name, weights, limits, routes, resident, ring) in cases {
+            let plan = plan(&weights, &limits);
+            assert_eq!(plan.routes, routes, "{name}");
+            assert_eq!(plan.resident_bytes, resident, "{name}");
+            assert_eq!(plan.ring_bytes, ring, "{name}");
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_larger_transfer_then_the_lower_index() {
+        // All expose 0.01 s per byte; weights 1-3 move 200 bytes per step, weight 0 only 100.
+        let weights = vec![
+            weight(100, 1, 0.0),
+            weight(200, 1, 0.0),
+            weight(200, 1, 0.0),
+            weight(200, 1, 0.0),
+        ];
+        let plan = plan(&weights, &limits(600));
+        use Route::{Resident as R, Ring as S};
+        assert_eq!(plan.routes, vec![S, R, S, S]);
+    }
+}

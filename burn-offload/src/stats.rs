@@ -1,0 +1,82 @@
+//! What one step did: traffic, waits, memory.
+
+use crate::policy::ScheduleOutcome;
+
+/// Statistics of one step (between `begin_step` and `end_step`), also logged through `tracing`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepStats {
+    /// Steps ended so far on this device, this one included.
+    pub step: u64,
+    /// Whether the step recorded, replayed or diverged from the schedule.
+    pub schedule: ScheduleOutcome,
+    /// Weight uses by the intercepted linear ops.
+    pub weight_uses: u64,
+    /// Uses served by a slot the loader had filled ahead of time.
+    pub prefetched: u64,
+    /// Uses whose weight the compute thread fetched itself into a slot (recording step, order
+    /// changed, or a policy without lookahead).
+    pub on_demand: u64,
+    /// Uses of small weights uploaded by the direct path.
+    pub direct: u64,
+    /// Uses of resident weights.
+    pub resident_hits: u64,
+    /// Streamed weights met by an op other than the intercepted ones, and materialized.
+    pub materialized: u64,
+    /// Bytes uploaded for those materializations.
+    pub materialized_bytes: u64,
+    /// Bytes moved from host to device (ring, direct path, residency, materializations).
+    pub bytes_uploaded: u64,
+    /// Seconds spent uploading, on the loader thread and on the compute thread.
+    pub upload_seconds: f64,
+    /// Seconds the compute thread spent waiting for weights: for the loader to fill a slot,
+    /// for a slot to be freed, and for its own uploads.
+    pub wait_seconds: f64,
+    /// Seconds from `begin_step` to `end_step`.
+    pub step_seconds: f64,
+    /// Bytes of the weights kept resident.
+    pub resident_bytes: u64,
+    /// Bytes of the ring.
+    pub ring_bytes: u64,
+    /// Highest device memory in use seen during the step, where the backend reports it.
+    pub peak_device_bytes: Option<u64>,
+}
+
+impl StepStats {
+    /// Upload bandwidth in GB/s: bytes uploaded over the time spent uploading them.
+    pub fn upload_gbps(&self) -> f64 {
+        if self.upload_seconds > 0.0 {
+            self.bytes_uploaded as f64 / self.upload_seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// The share of upload time the compute did not wait for: 1 when every transfer was
+    /// hidden behind compute, 0 when the compute waited for all of them.
+    pub fn overlap(&self) -> f64 {
+        if self.upload_seconds > 0.0 {
+            (1.0 - self.wait_seconds / self.upload_seconds).clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_follow_the_counters() {
+        let stats = StepStats {
+            bytes_uploaded: 5_000_000_000,
+            upload_seconds: 0.1,
+            wait_seconds: 0.025,
+            ..Default::default()
+        };
+        assert!((stats.upload_gbps() - 50.0).abs() < 1e-9);
+        assert!((stats.overlap() - 0.75).abs() < 1e-12);
+        assert_eq!(StepStats::default().upload_gbps(), 0.0);
+        assert_eq!(StepStats::default().overlap(), 1.0);
+    }
+}

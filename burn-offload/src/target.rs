@@ -1,0 +1,280 @@
+//! The device side of the mechanism, per inner backend: host memory, ring slots, uploads and
+//! fences. `Flex` (CPU) implements it here; `CubeBackend<CudaRuntime>` in `cuda.rs`.
+
+use std::alloc::Layout;
+use std::convert::Infallible;
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use burn::backend::Flex;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{Bytes, TensorData};
+use cubecl_common::bytes::{AllocationController, AllocationProperty};
+
+use crate::error::OffloadError;
+use crate::weight::{HostMemory, HostWeight};
+
+/// A backend whose device can host the offload ring: [`Flex`] (on the CPU, for tests) and, with
+/// the `cuda` feature, Burn's CUDA backend without fusion.
+///
+/// The engine calls these functions; it decides when, they do the work. `fill` and `poison` run
+/// on the loader thread (or on the compute thread for on-demand fetches), all others on the
+/// compute thread.
+pub trait StreamTarget: Backend {
+    /// The slots of one ring on one device.
+    type Ring: Send + Sync + 'static;
+    /// A point in the device's compute order: once it has passed, a slot read before it may be
+    /// overwritten.
+    type Fence: Send + 'static;
+
+    /// Moves a weight's wire bytes into host memory the device copies from.
+    fn host_memory(
+        bytes: Vec<u8>,
+        device: &Self::Device,
+    ) -> Result<Box<dyn HostMemory>, OffloadError>;
+
+    /// Bytes `weight` occupies in a ring slot.
+    fn slot_bytes(weight: &HostWeight) -> usize;
+
+    /// Allocates `slots` slots of `slot_bytes` bytes each.
+    fn new_ring(
+        device: &Self::Device,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<Self::Ring, OffloadError>;
+
+    /// Copies `weight` into `slot`, returning once the copy has completed.
+    fn fill(ring: &Self::Ring, slot: usize, weight: &HostWeight) -> Result<(), OffloadError>;
+
+    /// Overwrites `slot` with `0xFF` bytes: NaN in every float format.
+    fn poison(ring: &Self::Ring, slot: usize) -> Result<(), OffloadError>;
+
+    /// The weight in `slot` as a tensor of this backend, in the weight's dtype.
+    fn view(
+        ring: &Self::Ring,
+        slot: usize,
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> FloatTensor<Self>;
+
+    /// Uploads `weight` into a tensor of its own.
+    fn upload(
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError>;
+
+    /// A fence after the work this thread has submitted so far, or `None` when that work has
+    /// already completed.
+    fn fence(device: &Self::Device) -> Option<Self::Fence>;
+
+    /// Blocks until `fence` has passed.
+    fn wait(fence: Self::Fence);
+
+    /// Device bytes in use, where the backend reports them.
+    fn memory_in_use(device: &Self::Device) -> Option<u64>;
+}
+
+/// Memory of one CPU ring slot, aligned for any element type.
+struct SlotMemory {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the memory is a plain heap allocation; the engine serializes access to it (a slot is
+// written only while no tensor reads it: after the previous lease's release).
+unsafe impl Send for SlotMemory {}
+// SAFETY: as above.
+unsafe impl Sync for SlotMemory {}
+
+impl SlotMemory {
+    const ALIGN: usize = 64;
+
+    fn new(len: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(1), Self::ALIGN).expect("slot layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self { ptr, layout }
+    }
+
+    /// # Safety
+    /// No tensor may read the slot while the returned slice is alive.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_mut(&self, len: usize) -> &mut [u8] {
+        assert!(len <= self.layout.size(), "slot too small");
+        // SAFETY: in bounds; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) }
+    }
+}
+
+impl Drop for SlotMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// A view of the first `len` bytes of a slot, handed to Flex as the storage of a tensor: the
+/// tensor reads the slot in place, so a read after the slot was reused sees the new content.
+struct SlotView {
+    memory: Arc<SlotMemory>,
+    len: usize,
+}
+
+impl AllocationController for SlotView {
+    fn alloc_align(&self) -> usize {
+        SlotMemory::ALIGN
+    }
+
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Other
+    }
+
+    unsafe fn memory_mut(&mut self) -> &mut [MaybeUninit<u8>] {
+        // SAFETY: in bounds of the allocation; the tensor owning this view is the slot's only
+        // reader while its lease lasts.
+        unsafe { std::slice::from_raw_parts_mut(self.memory.ptr.as_ptr().cast(), self.len) }
+    }
+
+    fn memory(&self) -> &[MaybeUninit<u8>] {
+        // SAFETY: in bounds of the allocation, which `self.memory` keeps alive.
+        unsafe { std::slice::from_raw_parts(self.memory.ptr.as_ptr().cast(), self.len) }
+    }
+}
+
+/// The slots of a CPU ring.
+pub struct HostRing {
+    slots: Vec<Arc<SlotMemory>>,
+    slot_bytes: usize,
+}
+
+impl StreamTarget for Flex {
+    type Ring = HostRing;
+    type Fence = Infallible;
+
+    fn host_memory(
+        bytes: Vec<u8>,
+        _device: &Self::Device,
+    ) -> Result<Box<dyn HostMemory>, OffloadError> {
+        Ok(Box::new(bytes))
+    }
+
+    /// The slot holds the decoded weight: Flex computes on it in place.
+    fn slot_bytes(weight: &HostWeight) -> usize {
+        weight.device_bytes()
+    }
+
+    fn new_ring(
+        _device: &Self::Device,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<HostRing, OffloadError> {
+        Ok(HostRing {
+            slots: (0..slots)
+                .map(|_| Arc::new(SlotMemory::new(slot_bytes)))
+                .collect(),
+            slot_bytes,
+        })
+    }
+
+    fn fill(ring: &HostRing, slot: usize, weight: &HostWeight) -> Result<(), OffloadError> {
+        let decoded = weight.decode();
+        // SAFETY: the engine fills a slot only after the lease that read it was released.
+        let dst = unsafe { ring.slots[slot].bytes_mut(decoded.bytes.len()) };
+        dst.copy_from_slice(&decoded.bytes);
+        Ok(())
+    }
+
+    fn poison(ring: &HostRing, slot: usize) -> Result<(), OffloadError> {
+        // SAFETY: the engine poisons a slot only once its lease was released.
+        unsafe { ring.slots[slot].bytes_mut(ring.slot_bytes) }.fill(0xFF);
+        Ok(())
+    }
+
+    fn view(
+        ring: &HostRing,
+        slot: usize,
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> FloatTensor<Self> {
+        let len = weight.device_bytes();
+        let view = SlotView {
+            memory: ring.slots[slot].clone(),
+            len,
+        };
+        // SAFETY: the slot holds `len` initialized bytes (filled with this weight).
+        let bytes = unsafe { Bytes::from_controller(Box::new(view), len) };
+        let data = TensorData::from_bytes(bytes, weight.shape.clone(), weight.dtype);
+        Flex::float_from_data(data, device)
+    }
+
+    fn upload(
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        Ok(Flex::float_from_data(weight.decode(), device))
+    }
+
+    fn fence(_device: &Self::Device) -> Option<Infallible> {
+        None
+    }
+
+    fn wait(fence: Infallible) {
+        match fence {}
+    }
+
+    fn memory_in_use(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weight::Encoding;
+    use burn::tensor::{DType, Shape};
+
+    fn weight(values: Vec<f32>) -> Arc<HostWeight> {
+        let n = values.len();
+        let data = TensorData::new(values, [n]);
+        HostWeight::new(
+            "w".into(),
+            Shape::new([n]),
+            DType::F32,
+            Encoding::Native,
+            Box::new(data.bytes.to_vec()),
+        )
+    }
+
+    fn read(t: FloatTensor<Flex>) -> Vec<f32> {
+        t.into_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn a_view_reads_the_slot_in_place() {
+        let device = Default::default();
+        let ring = Flex::new_ring(&device, 2, 16).unwrap();
+        let a = weight(vec![1.0, 2.0, 3.0]);
+        let b = weight(vec![4.0, 5.0, 6.0, 7.0]);
+        Flex::fill(&ring, 0, &a).unwrap();
+        Flex::fill(&ring, 1, &b).unwrap();
+        let view = Flex::view(&ring, 0, &a, &device);
+        assert_eq!(read(view.clone()), vec![1.0, 2.0, 3.0]);
+        assert_eq!(
+            read(Flex::view(&ring, 1, &b, &device)),
+            vec![4.0, 5.0, 6.0, 7.0]
+        );
+        // Reusing slot 0 changes what an outstanding view reads: this is why the engine
+        // never lets a view outlive its lease, and why poisoning makes such a read visible.
+        Flex::fill(&ring, 0, &b).unwrap();
+        assert_eq!(read(view.clone()), vec![4.0, 5.0, 6.0]);
+        Flex::poison(&ring, 0).unwrap();
+        assert!(read(view).iter().all(|v| v.is_nan()));
+        // An uploaded copy does not depend on the ring.
+        let owned = Flex::upload(&a, &device).unwrap();
+        Flex::poison(&ring, 1).unwrap();
+        assert_eq!(read(owned), vec![1.0, 2.0, 3.0]);
+    }
+}

@@ -1,0 +1,266 @@
+//! The engine's behaviour through the public API: schedule replay and divergence, the
+//! planner's choices, the direct path, residency, and materialization outside the linear ops.
+
+mod common;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_offload::{
+    Offload, OffloadConfig, OffloadError, Route, ScheduleOutcome, StepStats, WeightStream,
+};
+use common::{DIM, Path, Recompute, bits, data, net, train};
+
+type A = Autodiff<Offload<Flex>>;
+
+fn ring_of_two() -> OffloadConfig {
+    OffloadConfig::default()
+        .with_ring_slots(2)
+        .with_direct_threshold(0)
+        .with_poisoning(true)
+}
+
+/// Trains the reference and the streamed network with the same paths; returns the streamed
+/// steps' statistics after checking bit-identity.
+fn compare(config: OffloadConfig, paths: &[Path]) -> Vec<StepStats> {
+    let device = Default::default();
+    let path = |step: usize| paths[step];
+    let (_, expected) = train(
+        net::<Autodiff<Flex>>(DType::F32, &device),
+        DType::F32,
+        paths.len(),
+        Recompute::Off,
+        path,
+        |_| {},
+    );
+    let stream = WeightStream::<A>::new(&device, config).unwrap();
+    let model = stream.stream_frozen(net::<A>(DType::F32, &device)).unwrap();
+    let mut stats = Vec::new();
+    let (_, records) = train(
+        model,
+        DType::F32,
+        paths.len(),
+        Recompute::Off,
+        path,
+        |begin| {
+            if begin {
+                stream.begin_step();
+            } else {
+                stats.push(stream.end_step());
+            }
+        },
+    );
+    assert_eq!(records, expected);
+    stats
+}
+
+#[test]
+fn a_changed_order_falls_back_on_demand_then_replays_the_new_one() {
+    use Path::{All, Skip};
+    let stats = compare(ring_of_two(), &[All, All, Skip(1), Skip(1), All]);
+    let outcomes: Vec<ScheduleOutcome> = stats.iter().map(|s| s.schedule).collect();
+    // 16 uses with three blocks (9 forward, 7 backward), 10 with two (6 + 4); the order first
+    // differs at the fourth use, where block 1's projection is no longer next.
+    assert_eq!(
+        outcomes,
+        vec![
+            ScheduleOutcome::Recorded { uses: 16 },
+            ScheduleOutcome::Replayed { uses: 16 },
+            ScheduleOutcome::Diverged { at: 3, uses: 10 },
+            ScheduleOutcome::Replayed { uses: 10 },
+            ScheduleOutcome::Diverged { at: 3, uses: 16 },
+        ]
+    );
+    assert_eq!((stats[2].prefetched, stats[2].on_demand), (3, 7));
+    assert_eq!((stats[3].prefetched, stats[3].on_demand), (10, 0));
+    assert_eq!((stats[4].prefetched, stats[4].on_demand), (3, 13));
+}
+
+#[test]
+fn small_weights_take_the_direct_path() {
+    let config = ring_of_two().with_direct_threshold(1 << 20);
+    let stats = compare(config, &[Path::All; 2]);
+    for s in &stats {
+        assert_eq!((s.direct, s.prefetched, s.on_demand), (16, 0, 0));
+        assert_eq!(s.ring_bytes, 0);
+    }
+}
+
+#[test]
+fn with_room_for_everything_weights_are_uploaded_once() {
+    let frozen_bytes = 3 * 4 * (DIM * DIM + 2 * DIM * common::HIDDEN) as u64;
+    let config = ring_of_two().with_vram_budget(frozen_bytes);
+    let stats = compare(config, &[Path::All; 3]);
+    // Resident from the start: each weight is uploaded at its first use and kept.
+    assert_eq!(stats[0].bytes_uploaded, frozen_bytes);
+    assert_eq!(stats[0].resident_hits, 16 - 9);
+    for s in &stats[1..] {
+        assert_eq!((s.resident_hits, s.bytes_uploaded), (16, 0));
+        assert_eq!((s.resident_bytes, s.ring_bytes), (frozen_bytes, 0));
+    }
+}
+
+#[test]
+fn a_weight_met_outside_the_linear_ops_is_materialized() {
+    let device = Default::default();
+    let stream = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let model = stream.stream_frozen(net::<A>(DType::F32, &device)).unwrap();
+    let original = bits(
+        net::<Flex>(DType::F32, &device).blocks[0]
+            .proj
+            .weight
+            .val()
+            .into_data(),
+    );
+
+    stream.begin_step();
+    let weight = model.blocks[0].proj.weight.val();
+    let doubled = weight.clone() * 2.0;
+    // Every slot of the ring is reused several times (poisoned in between).
+    let x = Tensor::<A, 2>::from_data(data(7, [4, DIM], 1.0, DType::F32), &device);
+    let _ = model.forward(x, Path::All).into_data();
+    let stats = stream.end_step();
+
+    assert_eq!(stats.materialized, 1);
+    assert_eq!(stats.materialized_bytes, (DIM * DIM * 4) as u64);
+    let halved = bits((doubled / 2.0).into_data());
+    assert_eq!(halved, original);
+    // Reading a streamed weight's values goes to host memory, not through the device.
+    assert_eq!(bits(weight.into_data()), original);
+}
+
+/// Frozen layers applied to every token, and a modulation layer applied to one summary token:
+/// its transfer is the one compute cannot hide.
+#[derive(Module, Debug)]
+struct Modulated<B: Backend> {
+    layers: Vec<Linear<B>>,
+    modulation: Linear<B>,
+}
+
+impl<B: Backend> Modulated<B> {
+    fn new(device: &B::Device) -> Self {
+        let linear = |seed| Linear {
+            weight: burn::module::Param::from_data(
+                data(seed, [DIM, DIM], 0.25, DType::F32),
+                device,
+            ),
+            bias: None,
+        };
+        Self {
+            layers: (0..3).map(linear).collect(),
+            modulation: linear(9),
+        }
+        .no_grad()
+    }
+
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let scale = self.modulation.forward(x.clone().mean_dim(0));
+        self.layers
+            .iter()
+            .fold(x, |h, layer| layer.forward(h) * scale.clone())
+    }
+}
+
+#[test]
+fn the_planner_keeps_the_weight_whose_transfer_cannot_be_hidden() {
+    use Route::{Resident as R, Ring as S};
+    let weight_bytes = (DIM * DIM * 4) as u64;
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::from_data(data(7, [64, DIM], 1.0, DType::F32), &device);
+    let expected = bits(
+        Modulated::<Flex>::new(&device)
+            .forward(x.clone())
+            .into_data(),
+    );
+    // (budget in weights, routes before any step from sizes alone, routes after a step)
+    let cases = [
+        (0, vec![S, S, S, S], vec![S, S, S, S]),
+        // One weight besides the two-slot ring: from sizes alone the first registered; after
+        // a step, the modulation layer (one token: 64 times less compute for the same bytes).
+        (3, vec![R, S, S, S], vec![S, S, S, R]),
+        (4, vec![R, R, R, R], vec![R, R, R, R]),
+    ];
+    for (budget, before, after) in cases {
+        let config = ring_of_two()
+            .with_vram_budget(budget * weight_bytes)
+            .with_rates(1e9, 1e12);
+        let stream = WeightStream::<A>::new(&device, config).unwrap();
+        let model = stream.stream_frozen(Modulated::<A>::new(&device)).unwrap();
+        let routes = |stream: &WeightStream<A>| -> Vec<Route> {
+            stream.routes().into_iter().map(|(_, r)| r).collect()
+        };
+        assert_eq!(routes(&stream), before, "budget {budget}");
+        let names: Vec<String> = stream.routes().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "layers.0.weight",
+                "layers.1.weight",
+                "layers.2.weight",
+                "modulation.weight"
+            ]
+        );
+        for _ in 0..2 {
+            stream.begin_step();
+            let x = Tensor::<A, 2>::from_data(x.to_data(), &device);
+            let out = model.forward(x);
+            assert_eq!(bits(out.into_data()), expected, "budget {budget}");
+            stream.end_step();
+            assert_eq!(routes(&stream), after, "budget {budget}");
+        }
+    }
+}
+
+#[test]
+fn activation_headroom_comes_out_of_the_budget() {
+    let weight_bytes = (DIM * DIM * 4) as u64;
+    let device = Default::default();
+    let config = ring_of_two()
+        .with_vram_budget(3 * weight_bytes)
+        .with_rates(1e9, 1e12);
+    let stream = WeightStream::<A>::new(&device, config).unwrap();
+    let model = stream.stream_frozen(Modulated::<A>::new(&device)).unwrap();
+    stream.begin_step();
+    let x = Tensor::<A, 2>::from_data(data(7, [64, DIM], 1.0, DType::F32), &device);
+    let _ = model.forward(x).into_data();
+    stream.end_step();
+    assert_eq!(stream.routes()[3].1, Route::Resident);
+    // What is left after the headroom holds the ring and nothing else.
+    stream.set_activation_headroom(weight_bytes);
+    assert!(stream.routes().iter().all(|(_, r)| *r == Route::Ring));
+}
+
+#[test]
+fn bad_configuration_and_bad_weights_are_refused_with_names() {
+    let device = Default::default();
+    let err = WeightStream::<A>::new(&device, OffloadConfig::default().with_ring_slots(1))
+        .err()
+        .unwrap();
+    assert!(matches!(err, OffloadError::RingTooSmall { found: 1 }));
+
+    let stream = WeightStream::<A>::new(&device, OffloadConfig::default()).unwrap();
+    let values = TensorData::new(vec![1.0f32; 6], [2, 3]);
+    let err = stream
+        .streamed_tensor::<3>("head.weight", values.clone())
+        .err()
+        .unwrap();
+    assert_eq!(
+        err.to_string(),
+        "`head.weight` has shape [2, 3], not a tensor of rank 3"
+    );
+    let short = TensorData::from_bytes_vec(vec![0u8; 20], [2, 3], DType::F32);
+    let err = stream
+        .streamed_tensor::<2>("head.weight", short)
+        .err()
+        .unwrap();
+    assert_eq!(
+        err.to_string(),
+        "`head.weight` has 20 bytes, its shape [2, 3] and dtype F32 need 24"
+    );
+    let ok = stream
+        .streamed_tensor::<2>("head.weight", values.clone())
+        .unwrap();
+    assert_eq!(ok.into_data(), values);
+}

@@ -84,6 +84,8 @@ pub struct LokrWeights<B: Backend> {
 }
 
 /// A trainable adapter attached to a base layer.
+// One adapter per layer, never in bulk collections: the variant size difference is harmless.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Adapter<B: Backend> {
     /// LoRA / LoCon.
@@ -148,8 +150,12 @@ impl<B: Backend> Adapter<B> {
         base_dtype: Option<DType>,
     ) -> Self {
         match config {
-            AdapterConfig::Lora(c) => Self::Lora(LoraWeights::init(c, geometry, device, base_dtype)),
-            AdapterConfig::Lokr(c) => Self::Lokr(LokrWeights::init(c, geometry, device, base_dtype)),
+            AdapterConfig::Lora(c) => {
+                Self::Lora(LoraWeights::init(c, geometry, device, base_dtype))
+            }
+            AdapterConfig::Lokr(c) => {
+                Self::Lokr(LokrWeights::init(c, geometry, device, base_dtype))
+            }
         }
     }
 
@@ -433,8 +439,8 @@ pub(crate) fn check_stored(
             let fits = dims.len() == 2
                 && dims[0] > 0
                 && dims[1] > 0
-                && geometry.out_features % dims[0] == 0
-                && geometry.in_features % dims[1] == 0;
+                && geometry.out_features.is_multiple_of(dims[0])
+                && geometry.in_features.is_multiple_of(dims[1]);
             if !fits {
                 let (o1, _) = factorize(geometry.out_features, None);
                 let (i1, _) = factorize(geometry.in_features, None);
@@ -601,7 +607,9 @@ mod tests {
             in_features: 8,
             kernel: Some([3, 3]),
         };
-        let cfg = LokrConfig::new(2).with_decompose_w2(true).with_alpha(Some(1.0));
+        let cfg = LokrConfig::new(2)
+            .with_decompose_w2(true)
+            .with_alpha(Some(1.0));
         let a = Adapter::<B>::init(&cfg.into(), &g, &device, None);
         assert_eq!(a.rank(), Some(2));
         assert_eq!(a.scale(), 0.5);
@@ -654,6 +662,9 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("m.lora_down.weight"), "{err}");
-        assert!(err.contains("LoRA rank 8") && err.contains("LoRA rank 4"), "{err}");
+        assert!(
+            err.contains("LoRA rank 8") && err.contains("LoRA rank 4"),
+            "{err}"
+        );
     }
 }

@@ -158,7 +158,7 @@ impl AdapterConfig {
 pub fn factorize(dimension: usize, factor: Option<usize>) -> (usize, usize) {
     if let Some(f) = factor
         && f > 0
-        && dimension % f == 0
+        && dimension.is_multiple_of(f)
     {
         let other = dimension / f;
         return (f.min(other), f.max(other));
@@ -167,7 +167,7 @@ pub fn factorize(dimension: usize, factor: Option<usize>) -> (usize, usize) {
     let mut best = (1, dimension);
     let mut m = 1;
     while m * m <= dimension {
-        if dimension % m == 0 && m <= limit {
+        if dimension.is_multiple_of(m) && m <= limit {
             best = (m, dimension / m);
         }
         m += 1;
@@ -202,7 +202,9 @@ mod tests {
 
     #[test]
     fn validation_names_the_problem() {
-        let err = AdapterConfig::from(LoraConfig::new(0)).validate().unwrap_err();
+        let err = AdapterConfig::from(LoraConfig::new(0))
+            .validate()
+            .unwrap_err();
         assert!(err.to_string().contains("rank"));
         let err = AdapterConfig::from(LoraConfig::new(4).with_dropout(1.0))
             .validate()

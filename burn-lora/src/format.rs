@@ -176,7 +176,11 @@ fn scalar(value: f32) -> TensorData {
 /// of `set.metadata.extra` are kept.
 pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), LoraError> {
     if options.format == Format::Peft && set.has_flat_names() {
-        let key = set.iter().next().map(|(n, _)| n.to_string()).unwrap_or_default();
+        let key = set
+            .iter()
+            .next()
+            .map(|(n, _)| n.to_string())
+            .unwrap_or_default();
         return Err(LoraError::UnresolvedName { key });
     }
     let prefix = options.prefix();
@@ -188,7 +192,10 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
             None => adapter.clone(),
         };
         let (module, suffix): (String, fn(Role) -> &'static str) = match options.format {
-            Format::Kohya => (format!("{prefix}_{}", flatten_name(name)), Role::kohya_suffix),
+            Format::Kohya => (
+                format!("{prefix}_{}", flatten_name(name)),
+                Role::kohya_suffix,
+            ),
             Format::Peft if prefix.is_empty() => (name.to_string(), Role::peft_suffix),
             Format::Peft => (format!("{prefix}.{name}"), Role::peft_suffix),
         };
@@ -281,9 +288,16 @@ fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
         (false, true) => "locon",
         (false, false) => "lora",
     };
-    let module = if lokr { "lycoris.kohya" } else { "networks.lora" };
+    let module = if lokr {
+        "lycoris.kohya"
+    } else {
+        "networks.lora"
+    };
     out.push((META_NETWORK_MODULE.into(), module.into()));
-    out.push((META_NETWORK_ARGS.into(), json!({ "algo": algo }).to_string()));
+    out.push((
+        META_NETWORK_ARGS.into(),
+        json!({ "algo": algo }).to_string(),
+    ));
     if let Some(rank) = most_common(adapters.iter().filter_map(|a| a.rank())) {
         out.push((META_RANK.into(), rank.to_string()));
     }
@@ -296,8 +310,7 @@ fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
 /// The LoraConfig fields diffusers reads back, keys prefixed by the component name.
 fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
     let r = most_common(alphas.iter().map(|(_, r, _)| *r)).expect("not empty");
-    let alpha_bits =
-        most_common(alphas.iter().map(|(_, _, a)| a.to_bits())).expect("not empty");
+    let alpha_bits = most_common(alphas.iter().map(|(_, _, a)| a.to_bits())).expect("not empty");
     let lora_alpha = f32::from_bits(alpha_bits);
     let mut rank_pattern = Map::new();
     let mut alpha_pattern = Map::new();
@@ -343,8 +356,12 @@ fn write_atomic(
     let views = tensors
         .iter()
         .map(|(key, data)| {
-            TensorView::new(to_st_dtype(data.dtype), data.shape.to_vec(), data.as_bytes())
-                .map(|view| (key.clone(), view))
+            TensorView::new(
+                to_st_dtype(data.dtype),
+                data.shape.to_vec(),
+                data.as_bytes(),
+            )
+            .map(|view| (key.clone(), view))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(st_error(path))?;
@@ -435,7 +452,9 @@ impl PeftConfig {
                 alpha_pattern.push((pattern.clone(), alpha));
             }
         }
-        let rslora = field("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+        let rslora = field("use_rslora")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         Ok(Self {
             lora_alpha,
             alpha_pattern,
@@ -504,8 +523,7 @@ pub fn load(path: &Path) -> Result<AdapterSet, LoraError> {
     let file_metadata = header.metadata().clone().unwrap_or_default();
     let tensors = SafeTensors::deserialize(&mmap).map_err(st_error(path))?;
 
-    let mut groups: BTreeMap<ModuleKey, BTreeMap<Role, (String, TensorView<'_>)>> =
-        BTreeMap::new();
+    let mut groups: BTreeMap<ModuleKey, BTreeMap<Role, (String, TensorView<'_>)>> = BTreeMap::new();
     let mut unrecognized = Vec::new();
     for (key, view) in tensors.iter() {
         match Role::split_key(key).and_then(|(m, role)| classify(m).map(|k| (k, role))) {
@@ -666,8 +684,7 @@ fn peft_config(
     prefix: &str,
 ) -> Result<PeftConfig, LoraError> {
     if let Some(raw) = metadata.get(META_PEFT_CONFIG) {
-        let value: Value =
-            serde_json::from_str(raw).map_err(json_error(path, META_PEFT_CONFIG))?;
+        let value: Value = serde_json::from_str(raw).map_err(json_error(path, META_PEFT_CONFIG))?;
         return PeftConfig::parse(&value, prefix, path, META_PEFT_CONFIG);
     }
     let sidecar = path.with_file_name("adapter_config.json");
@@ -728,7 +745,10 @@ mod tests {
                 name: "double_blocks_0_img_attn_qkv".into()
             })
         );
-        assert_eq!(classify("lora_te1_text_model_encoder_layers_0_mlp_fc1"), None);
+        assert_eq!(
+            classify("lora_te1_text_model_encoder_layers_0_mlp_fc1"),
+            None
+        );
         assert_eq!(
             classify("base_model.model.blocks.0.proj").map(|k| (k.prefix, k.name)),
             Some(("base_model.model".into(), "blocks.0.proj".into()))

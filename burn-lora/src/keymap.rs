@@ -264,7 +264,7 @@ fn split(fusion: &Fusion, fused: &StoredAdapter) -> Result<Vec<StoredAdapter>, L
             Some(start)
         })
         .collect();
-    let block_diagonal = rank % n == 0
+    let block_diagonal = rank.is_multiple_of(n)
         && (0..n).all(|j| {
             (0..n).filter(|&k| k != j).all(|k| {
                 up.block(offsets[j], dims[j], k * part_rank, part_rank)
@@ -286,7 +286,12 @@ fn split(fusion: &Fusion, fused: &StoredAdapter) -> Result<Vec<StoredAdapter>, L
                     part_rank,
                 )
             } else {
-                (down.clone(), up.rows_range(offsets[j], dims[j]), alpha, rank)
+                (
+                    down.clone(),
+                    up.rows_range(offsets[j], dims[j]),
+                    alpha,
+                    rank,
+                )
             };
             StoredAdapter::Lora {
                 down: d.into_data([vec![r], tail.clone()].concat(), dtype),

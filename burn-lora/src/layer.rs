@@ -452,8 +452,10 @@ where
     }
 
     fn from_inner(module: Self::InnerModule) -> Self {
+        // Freeze again: Burn 0.21 restores each parameter's remembered gradient flag here, and
+        // a parameter frozen while still lazy remembers the flag it was created with.
         Self {
-            base: L::from_inner(module.base),
+            base: L::from_inner(module.base).freeze(),
             adapter: <Option<Adapter<B>> as AutodiffModule<B>>::from_inner(module.adapter),
             multiplier: module.multiplier,
             merged: module.merged,

@@ -17,7 +17,7 @@ use crate::set::{AdapterSet, LoraMetadata, StoredAdapter, flatten_name};
 /// What a session does to each adapted layer it meets.
 pub(crate) enum Task {
     Attach {
-        plan: LoraPlan,
+        plan: Box<LoraPlan>,
         report: ApplyReport,
     },
     Merge,
@@ -63,7 +63,10 @@ impl Task {
             Task::Inspect(layers) => layers.push(LayerInfo::of(path, layer)),
             Task::Export(adapters) => {
                 if let Some(adapter) = layer.adapter() {
-                    adapters.insert(path.to_string(), adapter.to_stored(&layer.base().geometry()));
+                    adapters.insert(
+                        path.to_string(),
+                        adapter.to_stored(&layer.base().geometry()),
+                    );
                 }
             }
             _ => {}
@@ -126,12 +129,9 @@ pub fn set_multiplier<B: Backend, M: Module<B>>(model: M, multiplier: f64) -> M 
     session::run_map(model, Task::Multiplier(multiplier)).0
 }
 
-pub(crate) fn attach<B: Backend, M: Module<B>>(
-    model: M,
-    plan: &LoraPlan,
-) -> (M, ApplyReport) {
+pub(crate) fn attach<B: Backend, M: Module<B>>(model: M, plan: &LoraPlan) -> (M, ApplyReport) {
     let task = Task::Attach {
-        plan: plan.clone(),
+        plan: Box::new(plan.clone()),
         report: ApplyReport::default(),
     };
     match session::run_map(model, task) {

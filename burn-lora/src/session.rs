@@ -41,7 +41,8 @@ impl Guard {
     }
 
     fn finish(self) -> Task {
-        let task = SESSION.with(|s| s.borrow_mut().take())
+        let task = SESSION
+            .with(|s| s.borrow_mut().take())
             .and_then(|s| s.task)
             .expect("the session holds its task");
         std::mem::forget(self);

@@ -162,7 +162,11 @@ impl StoredAdapter {
             Self::Lora { down, .. } => format!("LoRA rank {}", down.shape[0]),
             Self::Lokr { w1, w2, .. } => match w2 {
                 LokrFactor::Full(w2) => {
-                    format!("LoKr w1 {:?}, w2 {:?}", w1.shape.to_vec(), w2.shape.to_vec())
+                    format!(
+                        "LoKr w1 {:?}, w2 {:?}",
+                        w1.shape.to_vec(),
+                        w2.shape.to_vec()
+                    )
                 }
                 LokrFactor::LowRank { a, b } => format!(
                     "LoKr w1 {:?}, w2 rank {} ({:?}·{:?})",

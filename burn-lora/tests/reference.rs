@@ -4,11 +4,11 @@
 
 mod common;
 
-use burn_lora::{
-    AdapterSet, Format, LoraMetadata, NameMap, PeftAlpha, SaveOptions, export, load,
-    load_adapters, save,
-};
 use burn::tensor::DType;
+use burn_lora::{
+    AdapterSet, Format, LoraMetadata, NameMap, PeftAlpha, SaveOptions, export, load, load_adapters,
+    save,
+};
 use common::{Fixture, Tiny, fixture, reference_input, reference_output, rel_err, tiny_model};
 
 const ALL_LAYERS: [&str; 6] = [
@@ -153,14 +153,18 @@ fn split_qkv_fuses_into_the_file_comfyui_and_diffusers_load() {
     }
 
     // The fused update is the stack of the per-part updates, in q, k, v order.
-    let fused_delta = fused
-        .get("double_blocks.0.img_attn.qkv")
-        .unwrap()
-        .delta()
-        .2;
-    let by_name =
-        |n: &str| part_delta(split.get(&format!("transformer_blocks.0.attn.{n}")).unwrap());
-    let stacked: Vec<f64> = ["to_q", "to_k", "to_v"].iter().flat_map(|n| by_name(n)).collect();
+    let fused_delta = fused.get("double_blocks.0.img_attn.qkv").unwrap().delta().2;
+    let by_name = |n: &str| {
+        part_delta(
+            split
+                .get(&format!("transformer_blocks.0.attn.{n}"))
+                .unwrap(),
+        )
+    };
+    let stacked: Vec<f64> = ["to_q", "to_k", "to_v"]
+        .iter()
+        .flat_map(|n| by_name(n))
+        .collect();
     assert_eq!(fused_delta.len(), stacked.len());
     for (a, b) in fused_delta.iter().zip(&stacked) {
         assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
@@ -186,8 +190,12 @@ fn convert_between_styles_keeps_the_output() {
     let dir = tempfile::tempdir().unwrap();
     let kohya = dir.path().join("kohya.safetensors");
     let peft = dir.path().join("peft.safetensors");
-    let report =
-        burn_lora::convert(&fixture("diffusers_tiny.safetensors"), &kohya, Format::Kohya).unwrap();
+    let report = burn_lora::convert(
+        &fixture("diffusers_tiny.safetensors"),
+        &kohya,
+        Format::Kohya,
+    )
+    .unwrap();
     assert_eq!(report.adapters, 6);
     assert!(report.dropped.is_empty());
     burn_lora::convert(&kohya, &peft, Format::Peft).unwrap();

@@ -39,7 +39,9 @@ impl Fixture {
 
     pub fn get(&self, key: &str) -> TensorData {
         let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let view = st.tensor(key).unwrap_or_else(|_| panic!("fixture key {key}"));
+        let view = st
+            .tensor(key)
+            .unwrap_or_else(|_| panic!("fixture key {key}"));
         let dtype = match view.dtype() {
             safetensors::Dtype::F64 => DType::F64,
             safetensors::Dtype::F32 => DType::F32,
@@ -133,7 +135,11 @@ pub fn reference_output(name: &str) -> TensorData {
 pub fn rel_err(actual: &TensorData, expected: &TensorData) -> f64 {
     assert_eq!(actual.shape, expected.shape);
     let a: Vec<f64> = actual.clone().convert_dtype(DType::F64).into_vec().unwrap();
-    let e: Vec<f64> = expected.clone().convert_dtype(DType::F64).into_vec().unwrap();
+    let e: Vec<f64> = expected
+        .clone()
+        .convert_dtype(DType::F64)
+        .into_vec()
+        .unwrap();
     let scale = e.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     let diff = a
         .iter()
@@ -145,9 +151,11 @@ pub fn rel_err(actual: &TensorData, expected: &TensorData) -> f64 {
 /// Every float parameter of a module with its path, as visited by Burn.
 pub struct Params<'a, B: AutodiffBackend> {
     path: Vec<String>,
-    found: Vec<(String, TensorData)>,
     grads: Option<&'a B::Gradients>,
-    with_grad: Vec<(String, bool)>,
+    /// Parameter values by path.
+    pub found: Vec<(String, TensorData)>,
+    /// Whether each parameter has a gradient (when gradients were given).
+    pub with_grad: Vec<(String, bool)>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Params<'_, B> {
@@ -162,25 +170,23 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Params<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let path = self.path.join(".");
         if let Some(grads) = self.grads {
-            self.with_grad.push((path.clone(), param.grad(grads).is_some()));
+            self.with_grad
+                .push((path.clone(), param.grad(grads).is_some()));
         }
         self.found.push((path, param.to_data()));
     }
 }
 
 impl<'a, B: AutodiffBackend> Params<'a, B> {
-    pub fn collect<M: Module<B>>(
-        module: &M,
-        grads: Option<&'a B::Gradients>,
-    ) -> (Vec<(String, TensorData)>, Vec<(String, bool)>) {
+    pub fn collect<M: Module<B>>(module: &M, grads: Option<&'a B::Gradients>) -> Self {
         let mut visitor = Params {
             path: Vec::new(),
-            found: Vec::new(),
             grads,
+            found: Vec::new(),
             with_grad: Vec::new(),
         };
         module.visit(&mut visitor);
-        (visitor.found, visitor.with_grad)
+        visitor
     }
 }
 

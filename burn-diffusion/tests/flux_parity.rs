@@ -214,3 +214,80 @@ fn bad_inputs_are_named() {
     );
     assert!(!output.exists());
 }
+
+/// Files written by `burnlora quantize` (E4M3 or E5M2, scales per row or per block of 64):
+/// every Linear weight of the loaded model equals burn-quant's dequantization of its FP8
+/// tensor, transposed to Burn's layout, and no scale is left over as an unexpected key.
+#[test]
+fn burnlora_quantize_files_load_with_their_scales() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    use burn_quant::{Fp8Format, Granularity, QuantizeOptions, quantize_checkpoint, read_fp8};
+
+    struct Weights(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>);
+    impl ModuleVisitor<Flex> for Weights {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
+            let value = param.val();
+            let dims = value.dims().to_vec();
+            self.1
+                .push((self.0.join("."), dims, value.into_data().to_vec().unwrap()));
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let source = case("guidance").join("flux1-bfl.safetensors");
+    for (format, granularity) in [
+        (Fp8Format::E4M3, Granularity::Block64),
+        (Fp8Format::E5M2, Granularity::Row),
+    ] {
+        let file = dir
+            .path()
+            .join(format!("{format}-{granularity}.safetensors"));
+        let options = QuantizeOptions {
+            format,
+            granularity,
+            include: None,
+            exclude: None,
+        };
+        quantize_checkpoint(&source, &file, &options).unwrap();
+        let checkpoint = FluxCheckpoint::open(&file).unwrap();
+        let model = checkpoint
+            .load::<Flex>(&Default::default(), FloatDType::F32)
+            .unwrap();
+        let mut weights = Weights(Vec::new(), Vec::new());
+        model.visit(&mut weights);
+
+        let files = Checkpoint::open(&file).unwrap();
+        let mut checked = 0;
+        for keys in burn_diffusion::flux::linear_keys(checkpoint.config()) {
+            let (_, dims, loaded) = weights
+                .1
+                .iter()
+                .find(|(p, _, _)| *p == format!("{}.weight", keys.module))
+                .unwrap();
+            let fp8 = read_fp8(&files, &format!("{}.weight", keys.bfl))
+                .unwrap()
+                .expect("stored as FP8");
+            let expected = fp8.dequantize();
+            let [d_input, d_output] = [dims[0], dims[1]];
+            for i in 0..d_input {
+                for o in 0..d_output {
+                    assert_eq!(
+                        loaded[i * d_output + o],
+                        expected[o * d_input + i],
+                        "{} [{i}, {o}]",
+                        keys.module
+                    );
+                }
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, 36, "{format} {granularity}");
+    }
+}

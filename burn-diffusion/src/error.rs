@@ -76,6 +76,22 @@ pub enum LoadError {
         /// The cause.
         source: io::Error,
     },
+    /// A tokenizer cannot be built from its files, or failed on a caption.
+    #[error("{file}: tokenizer: {message}")]
+    Tokenizer {
+        /// The tokenizer file or folder.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// An image file cannot be decoded.
+    #[error("{file}: cannot decode the image")]
+    Image {
+        /// The image file.
+        file: PathBuf,
+        /// The cause.
+        source: image::ImageError,
+    },
 }
 
 /// The mismatches between a checkpoint and a model, collected before failing once.

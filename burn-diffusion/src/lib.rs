@@ -34,8 +34,14 @@
 
 pub mod blocks;
 mod checkpointing;
+pub mod clip;
 mod error;
 pub mod flux;
+pub mod pipeline;
+pub mod t5;
+pub mod tokenize;
+pub mod vae;
+mod weights;
 
 pub use checkpointing::{Activations, BlockRunner, BlockTape, Checkpointing, Direct};
 pub use error::{KeyReport, LoadError, ShapeMismatch};

@@ -1,0 +1,154 @@
+//! The full-size FLUX.1 VAE, CLIP-L and a T5-XXL-shaped encoder with random bf16 weights on one
+//! CUDA GPU: time and peak device memory to encode a 1024×1024 image (and decode its latent,
+//! for previews), a 77-token and a 512-token caption.
+//!
+//! ```text
+//! cargo run --release -p burn-diffusion --features cuda --example encoders_full_size
+//! ```
+//!
+//! On the GPU machine set `CUDA_PATH=/usr/local/cuda` and add `/usr/local/cuda/lib64` to
+//! `LD_LIBRARY_PATH`. Each model runs three times: the first includes creating its weights and
+//! compiling and autotuning kernels, the other two are warm. Peak memory is the device's used
+//! memory as `nvidia-smi` samples it every 20 ms, minus what was used before the program began.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use burn::backend::Cuda;
+use burn::backend::cuda::CudaDevice;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, FloatDType, Int, IntDType, Tensor, set_default_dtypes};
+use burn_diffusion::clip::ClipTextConfig;
+use burn_diffusion::t5::T5Config;
+use burn_diffusion::vae::VaeConfig;
+
+type B = Cuda;
+
+/// Runs of each measurement.
+const RUNS: usize = 3;
+
+fn main() {
+    let device = CudaDevice::default();
+    set_default_dtypes::<B>(&device, FloatDType::BF16, IntDType::I32)
+        .expect("bf16 weights need a fresh device");
+    let memory = MemoryMonitor::start();
+    println!("device memory in use before start: {} MiB", memory.baseline);
+
+    let vae = VaeConfig::flux().init::<B>(&device);
+    let image = Tensor::<B, 4>::random(
+        [1, 3, 1024, 1024],
+        Distribution::Uniform(-1.0, 1.0),
+        &device,
+    );
+    measure("FLUX.1 VAE encode 1024x1024", &device, &memory, || {
+        vae.encode(image.clone()).mean
+    });
+    let latent = Tensor::<B, 4>::random([1, 16, 128, 128], Distribution::Normal(0.0, 1.0), &device);
+    measure("FLUX.1 VAE decode 128x128 latent", &device, &memory, || {
+        vae.decode(latent.clone())
+    });
+    drop((vae, image, latent));
+    B::memory_cleanup(&device);
+
+    let clip = ClipTextConfig::clip_l().init::<B>(&device);
+    let ids = Tensor::<B, 2, Int>::random([1, 77], Distribution::Uniform(0.0, 49407.0), &device);
+    measure("CLIP-L encode 77 tokens", &device, &memory, || {
+        clip.forward(ids.clone()).pooled
+    });
+    drop((clip, ids));
+    B::memory_cleanup(&device);
+
+    let t5 = T5Config::xxl().init::<B>(&device);
+    let ids = Tensor::<B, 2, Int>::random([1, 512], Distribution::Uniform(0.0, 32127.0), &device);
+    measure("T5-XXL encode 512 tokens", &device, &memory, || {
+        t5.forward(ids.clone())
+    });
+    drop((t5, ids));
+    B::memory_cleanup(&device);
+    memory.stop();
+}
+
+/// Times `RUNS` runs of `f` (each waited for on the device) and prints the peak memory seen
+/// since the previous measurement.
+fn measure<T>(label: &str, device: &CudaDevice, memory: &MemoryMonitor, f: impl Fn() -> T) {
+    memory.reset();
+    let mut times = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let start = Instant::now();
+        let out = f();
+        B::sync(device).expect("device error");
+        times.push(start.elapsed().as_secs_f64());
+        drop(out);
+    }
+    let shown: Vec<String> = times.iter().map(|t| format!("{t:.3} s")).collect();
+    println!(
+        "{label}: runs {} (first one cold); peak device memory {} MiB above the start",
+        shown.join(", "),
+        memory.peak().saturating_sub(memory.baseline)
+    );
+}
+
+/// The device's used memory, sampled by an `nvidia-smi` child process.
+struct MemoryMonitor {
+    baseline: u64,
+    peak: Arc<AtomicU64>,
+    child: Child,
+    reader: JoinHandle<()>,
+}
+
+impl MemoryMonitor {
+    fn start() -> Self {
+        let mut child = Command::new("nvidia-smi")
+            .args([
+                "--query-gpu=memory.used",
+                "--format=csv,noheader,nounits",
+                "--id=0",
+                "-lms",
+                "20",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("nvidia-smi is needed to sample device memory");
+        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let first = lines
+            .next()
+            .and_then(Result::ok)
+            .and_then(|l| l.trim().parse::<u64>().ok())
+            .expect("nvidia-smi printed no memory figure");
+        let peak = Arc::new(AtomicU64::new(first));
+        let seen = Arc::clone(&peak);
+        let reader = std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                if let Ok(mib) = line.trim().parse::<u64>() {
+                    seen.fetch_max(mib, Ordering::Relaxed);
+                }
+            }
+        });
+        Self {
+            baseline: first,
+            peak,
+            child,
+            reader,
+        }
+    }
+
+    /// The highest figure since the last reset, in MiB.
+    fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    fn reset(&self) {
+        self.peak.store(0, Ordering::Relaxed);
+    }
+
+    fn stop(mut self) {
+        // The sampler is this program's own child.
+        self.child.kill().ok();
+        self.child.wait().ok();
+        self.reader.join().ok();
+    }
+}

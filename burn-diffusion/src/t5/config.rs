@@ -1,0 +1,182 @@
+//! T5 encoder hyperparameters: the T5-XXL v1.1 preset and transformers' `config.json`.
+
+use std::path::Path;
+
+use burn::config::Config;
+use serde::Deserialize;
+
+use crate::error::LoadError;
+use crate::weights::read_json;
+
+/// The shape of a T5 v1.1 encoder (gated-GELU feed-forward, relative position bias in the
+/// first layer). Field names follow transformers' `T5Config`.
+#[derive(Config, Debug, PartialEq)]
+pub struct T5Config {
+    /// Token vocabulary.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Width of one attention head.
+    pub d_kv: usize,
+    /// Hidden width of the feed-forward layers.
+    pub d_ff: usize,
+    /// Encoder layers.
+    pub num_layers: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Buckets of relative positions.
+    #[config(default = 32)]
+    pub relative_attention_num_buckets: usize,
+    /// Relative distance from which every position shares the last bucket.
+    #[config(default = 128)]
+    pub relative_attention_max_distance: usize,
+    /// Epsilon of the RMS norms.
+    #[config(default = 1e-6)]
+    pub layer_norm_epsilon: f64,
+}
+
+impl T5Config {
+    /// T5-XXL v1.1, the encoder of FLUX.1's `text_encoder_2` (4.76 B parameters).
+    pub fn xxl() -> Self {
+        Self {
+            vocab_size: 32128,
+            d_model: 4096,
+            d_kv: 64,
+            d_ff: 10240,
+            num_layers: 24,
+            num_heads: 64,
+            relative_attention_num_buckets: 32,
+            relative_attention_max_distance: 128,
+            layer_norm_epsilon: 1e-6,
+        }
+    }
+
+    /// Reads transformers' `text_encoder_2/config.json`; only the gated-GELU feed-forward
+    /// (`feed_forward_proj: "gated-gelu"`, T5 v1.1) is supported.
+    pub fn from_json(file: &Path) -> Result<Self, LoadError> {
+        let raw: TransformersT5Config = read_json(file)?;
+        if raw.feed_forward_proj != "gated-gelu" {
+            return Err(LoadError::Config {
+                file: file.to_path_buf(),
+                message: format!(
+                    "feed_forward_proj `{}` is not supported (T5 v1.1's gated-gelu)",
+                    raw.feed_forward_proj
+                ),
+            });
+        }
+        Ok(Self {
+            vocab_size: raw.vocab_size,
+            d_model: raw.d_model,
+            d_kv: raw.d_kv,
+            d_ff: raw.d_ff,
+            num_layers: raw.num_layers,
+            num_heads: raw.num_heads,
+            relative_attention_num_buckets: raw.relative_attention_num_buckets,
+            relative_attention_max_distance: raw.relative_attention_max_distance,
+            layer_norm_epsilon: raw.layer_norm_epsilon,
+        })
+    }
+
+    /// Infers the configuration of a single file (ComfyUI's `t5xxl_*.safetensors`) from the
+    /// shapes of its tensors, named in transformers' layout: widths from the embedding and the
+    /// first layer, heads and buckets from the relative position bias, layers from the block
+    /// indices. The maximum distance (128) and epsilon (1e-6) are T5 v1.1's.
+    pub fn from_keys<'a>(
+        file: &Path,
+        names: impl Iterator<Item = &'a str>,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<Self, LoadError> {
+        let error = |message: String| LoadError::Config {
+            file: file.to_path_buf(),
+            message,
+        };
+        let dims = |name: &str| -> Result<[usize; 2], LoadError> {
+            match shape_of(name).as_deref() {
+                Some(&[rows, cols]) => Ok([rows, cols]),
+                Some(shape) => Err(error(format!("`{name}` is {shape:?}, expected rank 2"))),
+                None => Err(error(format!(
+                    "cannot infer the T5 config: `{name}` is missing"
+                ))),
+            }
+        };
+        let num_layers = names
+            .filter_map(|name| name.strip_prefix("encoder.block."))
+            .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |last| last + 1);
+        let [vocab_size, d_model] = dims("encoder.embed_tokens.weight")?;
+        let first = "encoder.block.0.layer";
+        let [buckets, num_heads] = dims(&format!(
+            "{first}.0.SelfAttention.relative_attention_bias.weight"
+        ))?;
+        let [inner, _] = dims(&format!("{first}.0.SelfAttention.q.weight"))?;
+        let [d_ff, _] = dims(&format!("{first}.1.DenseReluDense.wi_0.weight"))?;
+        if num_heads == 0 || !inner.is_multiple_of(num_heads) {
+            return Err(error(format!(
+                "query width {inner} is not a multiple of {num_heads} heads"
+            )));
+        }
+        Ok(Self {
+            vocab_size,
+            d_model,
+            d_kv: inner / num_heads,
+            d_ff,
+            num_layers,
+            num_heads,
+            relative_attention_num_buckets: buckets,
+            relative_attention_max_distance: 128,
+            layer_norm_epsilon: 1e-6,
+        })
+    }
+}
+
+/// The fields of transformers' `T5Config` that the encoder uses (defaults are transformers'
+/// own).
+#[derive(Deserialize)]
+struct TransformersT5Config {
+    vocab_size: usize,
+    d_model: usize,
+    d_kv: usize,
+    d_ff: usize,
+    num_layers: usize,
+    num_heads: usize,
+    #[serde(default = "buckets")]
+    relative_attention_num_buckets: usize,
+    #[serde(default = "max_distance")]
+    relative_attention_max_distance: usize,
+    #[serde(default = "epsilon")]
+    layer_norm_epsilon: f64,
+    #[serde(default = "relu")]
+    feed_forward_proj: String,
+}
+
+fn buckets() -> usize {
+    32
+}
+fn max_distance() -> usize {
+    128
+}
+fn epsilon() -> f64 {
+    1e-6
+}
+fn relu() -> String {
+    "relu".into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn original_t5_feed_forward_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("config.json");
+        std::fs::write(
+            &file,
+            r#"{"vocab_size": 10, "d_model": 8, "d_kv": 4, "d_ff": 16, "num_layers": 1, "num_heads": 2}"#,
+        )
+        .unwrap();
+        let error = T5Config::from_json(&file).unwrap_err().to_string();
+        assert!(error.contains("feed_forward_proj `relu`"), "{error}");
+    }
+}

@@ -1,0 +1,383 @@
+//! Loading the models whose fields follow their checkpoint's names (the VAE and the text
+//! encoders): every tensor of the files gets a canonical name (the layout the model's fields
+//! follow, whatever layout the file uses), and every parameter is read from the name its module
+//! path gives, one tensor at a time.
+//!
+//! Burn's own layer layouts are handled here once: a `Linear` weight is stored `[d_input,
+//! d_output]` (the checkpoint's `[d_output, d_input]`, or a 1×1 convolution's
+//! `[d_output, d_input, 1, 1]`, transposed), and the `gamma` / `beta` of `GroupNorm` and
+//! `LayerNorm` are the checkpoint's `weight` / `bias`.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, backend::Backend};
+use burn_quant::Checkpoint;
+use serde::de::DeserializeOwned;
+
+use crate::error::{KeyReport, LoadError, ShapeMismatch};
+use crate::flux::read_f32;
+
+/// The tensors of a checkpoint under their canonical names.
+pub(crate) struct NamedTensors {
+    files: Checkpoint,
+    path: PathBuf,
+    /// Canonical name → key in the files.
+    keys: HashMap<String, String>,
+}
+
+impl NamedTensors {
+    /// Names the tensors of `files` (opened from `path`) with `canonical`, which returns `None`
+    /// for a tensor that is not part of the model (another component of an all-in-one file, a
+    /// buffer); those are ignored.
+    pub fn new(
+        files: Checkpoint,
+        path: &Path,
+        canonical: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, LoadError> {
+        let mut keys = HashMap::new();
+        for entry in files.tensors() {
+            let Some(name) = canonical(entry.name) else {
+                continue;
+            };
+            if let Some(previous) = keys.insert(name.clone(), entry.name.to_string()) {
+                return Err(LoadError::Config {
+                    file: path.to_path_buf(),
+                    message: format!("`{previous}` and `{}` both hold `{name}`", entry.name),
+                });
+            }
+        }
+        Ok(Self {
+            files,
+            path: path.to_path_buf(),
+            keys,
+        })
+    }
+
+    /// The canonical names present.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
+    /// The shape of the tensor named `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let key = self.keys.get(name)?;
+        self.files.get(key).map(|t| t.shape.to_vec())
+    }
+
+    /// Fills every parameter of `model` from the tensor named by `name_of` (applied to the
+    /// parameter's module path, after the `gamma` / `beta` renaming), in `dtype` on `device`.
+    ///
+    /// Every missing, mis-shaped or unused tensor is collected and reported at once as
+    /// [`LoadError::Keys`] (missing ones under their canonical names).
+    pub fn load<B: Backend, M: Module<B>>(
+        &self,
+        model: M,
+        name_of: impl Fn(&str) -> String,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<M, LoadError> {
+        let mut filler = Filler {
+            source: self,
+            name_of,
+            device: device.clone(),
+            dtype,
+            stack: Vec::new(),
+            used: HashSet::new(),
+            report: KeyReport::default(),
+            failure: None,
+        };
+        let model = model.map(&mut filler);
+        filler.finish()?;
+        Ok(model)
+    }
+}
+
+/// The model folder of a pipeline component: `path/component` when it holds a
+/// `config.json`, else `path` itself when it does.
+pub(crate) fn component_folder(path: &Path, component: &str) -> Option<PathBuf> {
+    [path.join(component), path.to_path_buf()]
+        .into_iter()
+        .find(|folder| folder.join("config.json").is_file())
+}
+
+/// Reads and parses a json file.
+pub(crate) fn read_json<T: DeserializeOwned>(file: &Path) -> Result<T, LoadError> {
+    let text = std::fs::read_to_string(file).map_err(|source| LoadError::Io {
+        file: file.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| LoadError::Json {
+        file: file.to_path_buf(),
+        source,
+    })
+}
+
+/// Fills each parameter from the checkpoint as the model's parameters are visited.
+struct Filler<'a, B: Backend, F> {
+    source: &'a NamedTensors,
+    name_of: F,
+    device: B::Device,
+    dtype: FloatDType,
+    /// `(field, type of the struct that holds it)` from the root to the current parameter.
+    stack: Vec<(String, String)>,
+    used: HashSet<String>,
+    report: KeyReport,
+    failure: Option<LoadError>,
+}
+
+impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, B, F> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack
+            .push((name.to_string(), container_type.to_string()));
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some((field, container)) = self.stack.last() else {
+            return param;
+        };
+        let norm = matches!(container.as_str(), "Struct:GroupNorm" | "Struct:LayerNorm");
+        let field = match field.as_str() {
+            "gamma" if norm => "weight",
+            "beta" if norm => "bias",
+            other => other,
+        };
+        let linear_weight = container == "Struct:Linear" && field == "weight";
+        let parents: Vec<&str> = self.stack[..self.stack.len() - 1]
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .collect();
+        let path = if parents.is_empty() {
+            field.to_string()
+        } else {
+            format!("{}.{field}", parents.join("."))
+        };
+        let name = (self.name_of)(&path);
+        let shape = param.lazy_shape().as_slice().to_vec();
+        let Some(data) = self.read(&name, &shape, linear_weight) else {
+            return param;
+        };
+        let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
+        let tensor = B::memory_persistent_allocations(&device, data, |data| {
+            Tensor::<B, D>::from_data(data, (&device, dtype))
+        });
+        let id = param.id;
+        param.transform_for_load(tensor, id)
+    }
+}
+
+impl<B: Backend, F> Filler<'_, B, F> {
+    /// The value of the tensor `name` in Burn's layout (`shape`), or `None` after recording
+    /// why it cannot be read.
+    fn read(&mut self, name: &str, shape: &[usize], linear_weight: bool) -> Option<TensorData> {
+        let Some(key) = self.source.keys.get(name) else {
+            self.report.missing.push(name.to_string());
+            return None;
+        };
+        let files = &self.source.files;
+        let entry = files.get(key).expect("named keys come from the files");
+        self.used.insert(name.to_string());
+        let fits = if linear_weight {
+            let [d_input, d_output] = [shape[0], shape[1]];
+            entry.shape.len() >= 2
+                && entry.shape[..2] == [d_output, d_input]
+                && entry.shape[2..].iter().all(|&s| s == 1)
+        } else {
+            entry.shape == shape
+        };
+        if !fits {
+            let expected = if linear_weight {
+                vec![shape[1], shape[0]]
+            } else {
+                shape.to_vec()
+            };
+            self.report.mismatched.push(ShapeMismatch {
+                key: key.clone(),
+                expected,
+                found: entry.shape.to_vec(),
+            });
+            return None;
+        }
+        let values = match read_f32(files, &entry) {
+            Ok(values) => values,
+            Err(error) => {
+                self.failure.get_or_insert(error);
+                return None;
+            }
+        };
+        files.release(&entry);
+        let values = if linear_weight {
+            transpose(&values, shape[1], shape[0])
+        } else {
+            values
+        };
+        Some(TensorData::new(values, shape.to_vec()))
+    }
+
+    /// Fails with everything collected, including the tensors no parameter used.
+    fn finish(mut self) -> Result<(), LoadError> {
+        if let Some(error) = self.failure {
+            return Err(error);
+        }
+        self.report.unexpected = self
+            .source
+            .keys
+            .iter()
+            .filter(|(name, _)| !self.used.contains(*name))
+            .map(|(_, key)| key.clone())
+            .collect();
+        self.report.missing.sort();
+        self.report.unexpected.sort();
+        if self.report.is_empty() {
+            Ok(())
+        } else {
+            Err(LoadError::Keys {
+                file: self.source.path.clone(),
+                report: self.report,
+            })
+        }
+    }
+}
+
+/// The transpose of a row-major `[rows, cols]` matrix.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for (r, row) in values.chunks_exact(cols).enumerate() {
+        for (c, v) in row.iter().enumerate() {
+            out[c * rows + r] = *v;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::nn::{GroupNorm, GroupNormConfig, Linear, LinearConfig};
+    use safetensors::tensor::TensorView;
+
+    #[derive(Module, Debug)]
+    struct Tiny<B: Backend> {
+        proj: Linear<B>,
+        norm: GroupNorm<B>,
+    }
+
+    fn tiny() -> Tiny<Flex> {
+        let device = Default::default();
+        Tiny {
+            proj: LinearConfig::new(3, 2).init(&device),
+            norm: GroupNormConfig::new(1, 2).init(&device),
+        }
+    }
+
+    fn write(dir: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> PathBuf {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<(&str, TensorView)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((name, shape, _), b)| {
+                (
+                    *name,
+                    TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        let file = dir.join("model.safetensors");
+        safetensors::serialize_to_file(views, None, &file).unwrap();
+        file
+    }
+
+    #[test]
+    fn transposes_linear_weights_and_renames_norm_parameters() {
+        let dir = tempfile::tempdir().unwrap();
+        let weight: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        let file = write(
+            dir.path(),
+            &[
+                ("m.proj.weight", vec![2, 3, 1, 1], weight),
+                ("m.proj.bias", vec![2], vec![7.0, 8.0]),
+                ("m.norm.weight", vec![2], vec![0.5, 1.5]),
+                ("m.norm.bias", vec![2], vec![-1.0, 1.0]),
+                ("other.weight", vec![1], vec![0.0]),
+            ],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let tensors = NamedTensors::new(files, &file, |key| {
+            key.strip_prefix("m.").map(str::to_string)
+        })
+        .unwrap();
+        let model = tensors
+            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .unwrap();
+        let values = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
+        // Burn's [d_input, d_output] is the checkpoint's [d_output, d_input] transposed.
+        assert_eq!(
+            values(model.proj.weight.val()),
+            [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
+        let gamma = model
+            .norm
+            .gamma
+            .unwrap()
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        assert_eq!(gamma, [0.5, 1.5]);
+    }
+
+    #[test]
+    fn reports_missing_mismatched_and_unused_tensors_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(
+            dir.path(),
+            &[
+                ("proj.weight", vec![3, 2], vec![0.0; 6]),
+                ("norm.weight", vec![2], vec![1.0; 2]),
+                ("norm.bias", vec![2], vec![0.0; 2]),
+                ("extra", vec![1], vec![0.0]),
+            ],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
+        let error = tensors
+            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .unwrap_err();
+        let LoadError::Keys { report, .. } = error else {
+            panic!("expected a key report, got {error}");
+        };
+        assert_eq!(report.missing, ["proj.bias"]);
+        assert_eq!(report.unexpected, ["extra"]);
+        assert_eq!(
+            report.mismatched,
+            [ShapeMismatch {
+                key: "proj.weight".into(),
+                expected: vec![2, 3],
+                found: vec![3, 2],
+            }]
+        );
+    }
+
+    #[test]
+    fn two_keys_with_one_name_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(
+            dir.path(),
+            &[("a.w", vec![1], vec![0.0]), ("b.w", vec![1], vec![0.0])],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let error = NamedTensors::new(files, &file, |_| Some("w".into()))
+            .err()
+            .unwrap();
+        assert!(error.to_string().contains("both hold `w`"), "{error}");
+    }
+}

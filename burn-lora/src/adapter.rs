@@ -8,6 +8,7 @@
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::backend::Backend;
+use burn::tensor::module::linear;
 use burn::tensor::{DType, Distribution, Tensor, TensorCreationOptions, TensorData};
 
 use crate::LoraError;
@@ -178,7 +179,7 @@ impl<B: Backend> Adapter<B> {
     /// The alpha in plain LoRA terms: `scale · rank` (for rsLoRA this is `alpha · √rank`).
     pub fn alpha(&self) -> f64 {
         match self {
-            Self::Lora(w) => w.scale() * self.rank().unwrap_or(1) as f64,
+            Self::Lora(w) => w.plain_alpha(),
             Self::Lokr(w) => w.alpha,
         }
     }
@@ -221,6 +222,30 @@ impl<B: Backend> Adapter<B> {
         match self {
             Self::Lora(w) => w.up.val().matmul(w.down.val()),
             Self::Lokr(w) => kron(w.w1.val(), w.second_factor()),
+        }
+    }
+
+    /// The unscaled update applied to the input of a linear layer: `x · (up · down)ᵀ`, or
+    /// `x · (w1 ⊗ w2)ᵀ` computed as `W1 · X · W2ᵀ` on `x` reshaped to `[…, in₁, in₂]`, so the
+    /// Kronecker product is never formed.
+    pub(crate) fn linear_update<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Self::Lora(w) => linear(
+                linear(x, w.down.val().transpose(), None),
+                w.up.val().transpose(),
+                None,
+            ),
+            Self::Lokr(w) => {
+                let (w1, w2) = (w.w1.val(), w.second_factor());
+                let ([o1, i1], [o2, i2]) = (w1.dims(), w2.dims());
+                let mut dims = x.dims();
+                let rows = dims[..D - 1].iter().product();
+                let x = x.reshape([rows, i1, i2]);
+                let h = linear(x, w2.transpose(), None).swap_dims(1, 2);
+                let y = linear(h, w1.transpose(), None).swap_dims(1, 2);
+                dims[D - 1] = o1 * o2;
+                y.reshape(dims)
+            }
         }
     }
 
@@ -359,13 +384,21 @@ impl<B: Backend> LoraWeights<B> {
         }
     }
 
-    fn scale(&self) -> f64 {
-        let rank = self.down.shape().dims::<2>()[0] as f64;
+    fn rank(&self) -> f64 {
+        self.down.shape().dims::<2>()[0] as f64
+    }
+
+    /// The alpha giving the same scale under the plain rule `alpha / rank`.
+    fn plain_alpha(&self) -> f64 {
         if self.rslora {
-            self.alpha / rank.sqrt()
+            self.alpha * self.rank().sqrt()
         } else {
-            self.alpha / rank
+            self.alpha
         }
+    }
+
+    fn scale(&self) -> f64 {
+        self.plain_alpha() / self.rank()
     }
 }
 

@@ -14,7 +14,7 @@ use burn::module::{
 use burn::nn::Linear;
 use burn::nn::conv::Conv2d;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::module::{conv2d, linear};
+use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, Tensor};
 
@@ -209,11 +209,7 @@ impl<B: Backend> Adapted<B, Linear<B>> {
             return self.base.forward(input);
         };
         let y = self.base.forward(input.clone());
-        let x = adapter.input(input);
-        let d = match adapter.lora_factors() {
-            Some((down, up)) => linear(linear(x, down.transpose(), None), up.transpose(), None),
-            None => linear(x, adapter.product().transpose(), None),
-        };
+        let d = adapter.linear_update(adapter.input(input));
         add_branch(y, d, factor)
     }
 }
@@ -515,5 +511,170 @@ impl<B: Backend, L: fmt::Debug> fmt::Debug for Adapted<B, L> {
             .field("multiplier", &self.multiplier)
             .field("merged", &self.merged)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapter::kron;
+    use crate::config::{LokrConfig, LoraConfig};
+    use crate::set::{LokrFactor, StoredAdapter};
+    use burn::backend::Flex;
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::{LinearConfig, PaddingConfig2d};
+    use burn::tensor::{Distribution, TensorData, Tolerance};
+
+    type B = Flex;
+
+    fn random(shape: &[usize], seed: f32) -> TensorData {
+        let n = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|i| ((i as f32 + seed) * 0.77).sin()).collect();
+        TensorData::new(values, shape.to_vec())
+    }
+
+    /// Replaces the layer's adapter with `stored`.
+    fn with_stored<L: BaseLayer<B>>(layer: Adapted<B, L>, stored: &StoredAdapter) -> Adapted<B, L> {
+        let geometry = layer.base.geometry();
+        let device = layer.base.weight_device();
+        let adapter = Adapter::from_stored(stored, &geometry, &device, None);
+        layer.with_adapter(Some(adapter))
+    }
+
+    fn assert_close<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) {
+        actual
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+    }
+
+    #[test]
+    fn linear_forward_adds_the_scaled_update() {
+        let device = Default::default();
+        let layer: LoraLinear<B> = LinearConfig::new(6, 5).init(&device).into();
+        let stored = StoredAdapter::Lora {
+            down: random(&[3, 6], 0.0),
+            up: random(&[5, 3], 1.0),
+            alpha: 1.5,
+        };
+        let layer = with_stored(layer, &stored);
+        let x = Tensor::<B, 3>::random([2, 4, 6], Distribution::Default, &device);
+        let down = Tensor::<B, 2>::from_data(random(&[3, 6], 0.0), &device);
+        let up = Tensor::<B, 2>::from_data(random(&[5, 3], 1.0), &device);
+        let delta = up.matmul(down).mul_scalar(0.5).transpose().unsqueeze::<3>();
+        let expected = layer.base.forward(x.clone()) + x.clone().matmul(delta);
+        assert_close(layer.forward(x), expected);
+    }
+
+    #[test]
+    fn lokr_linear_update_never_forms_the_product_but_equals_it() {
+        let device = Default::default();
+        let layer: LoraLinear<B> = LinearConfig::new(6, 4).init(&device).into();
+        for w2 in [
+            LokrFactor::Full(random(&[2, 3], 2.0)),
+            LokrFactor::LowRank {
+                a: random(&[2, 1], 3.0),
+                b: random(&[1, 3], 4.0),
+            },
+        ] {
+            let stored = StoredAdapter::Lokr {
+                w1: random(&[2, 2], 1.0),
+                w2,
+                alpha: 1.0,
+            };
+            let layer = with_stored(layer.clone(), &stored);
+            let adapter = layer.adapter().unwrap();
+            let x = Tensor::<B, 3>::random([2, 3, 6], Distribution::Default, &device);
+            let full = adapter.product().transpose().unsqueeze::<3>();
+            assert_close(adapter.linear_update(x.clone()), x.matmul(full));
+        }
+    }
+
+    #[test]
+    fn conv_adapters_follow_the_base_geometry() {
+        let device = Default::default();
+        // Materialised: lazy parameters would initialise differently in each clone.
+        let conv: Conv2d<B> = Conv2dConfig::new([3, 4], [3, 3])
+            .with_stride([2, 2])
+            .with_padding(PaddingConfig2d::Same)
+            .init(&device)
+            .to_device(&device);
+        let layer: LoraConv2d<B> = conv.clone().into();
+        let x = Tensor::<B, 4>::random([2, 3, 7, 6], Distribution::Default, &device);
+        let cases = [
+            StoredAdapter::Lora {
+                down: random(&[2, 3, 3, 3], 0.0),
+                up: random(&[4, 2, 1, 1], 5.0),
+                alpha: 1.0,
+            },
+            StoredAdapter::Lokr {
+                w1: random(&[2, 1], 1.0),
+                w2: LokrFactor::LowRank {
+                    a: random(&[2, 2], 2.0),
+                    b: random(&[2, 27], 3.0),
+                },
+                alpha: 3.0,
+            },
+        ];
+        for stored in &cases {
+            let layer = with_stored(layer.clone(), stored);
+            // The plain conv with W + scale · ΔW.
+            let (rows, cols, delta) = stored.delta();
+            assert_eq!((rows, cols), (4, 27));
+            let delta: Vec<f32> = delta.into_iter().map(|v| v as f32).collect();
+            let delta = Tensor::<B, 4>::from_data(TensorData::new(delta, [4, 3, 3, 3]), &device);
+            let merged = Conv2d {
+                weight: Param::from_tensor(conv.weight.val() + delta),
+                ..conv.clone()
+            };
+            let expected = merged.forward(x.clone());
+            assert_eq!(expected.dims(), [2, 4, 4, 3]);
+            assert_close(layer.forward(x.clone()), expected);
+        }
+    }
+
+    #[test]
+    fn grouped_convolutions_are_refused() {
+        let conv: Conv2d<B> = Conv2dConfig::new([4, 4], [3, 3])
+            .with_groups(2)
+            .init(&Default::default());
+        let err = LoraConv2d::from(conv)
+            .attach(&LoraConfig::new(2).into())
+            .unwrap_err();
+        assert!(err.to_string().contains("grouped"), "{err}");
+    }
+
+    #[test]
+    fn records_carry_the_adapter_and_display_names_it() {
+        let device = Default::default();
+        let layer: LoraLinear<B> = LinearConfig::new(4, 4).init(&device).into();
+        let config = LokrConfig::new(2).with_decompose_w2(true).into();
+        let trained = with_stored(
+            layer.clone().attach(&config).unwrap(),
+            &StoredAdapter::Lokr {
+                w1: random(&[2, 2], 0.0),
+                w2: LokrFactor::LowRank {
+                    a: random(&[2, 2], 1.0),
+                    b: random(&[2, 2], 2.0),
+                },
+                alpha: 2.0,
+            },
+        );
+        let x = Tensor::<B, 2>::random([3, 4], Distribution::Default, &device);
+        let expected = trained.forward(x.clone());
+        let loaded = layer
+            .attach(&config)
+            .unwrap()
+            .load_record(trained.into_record());
+        assert_close(loaded.forward(x), expected);
+        let text = loaded.to_string();
+        assert!(
+            text.contains("Adapted") && text.contains("LokrWeights"),
+            "{text}"
+        );
+        let product = loaded.adapter().unwrap().product();
+        let [w1, w2] = [random(&[2, 2], 0.0), random(&[2, 2], 1.0)]
+            .map(|d| Tensor::<B, 2>::from_data(d, &device));
+        let b = Tensor::<B, 2>::from_data(random(&[2, 2], 2.0), &device);
+        assert_close(product, kron(w1, w2.matmul(b)));
     }
 }

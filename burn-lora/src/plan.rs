@@ -214,3 +214,62 @@ impl fmt::Display for ApplyReport {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{LokrConfig, LoraConfig};
+
+    fn rank(config: Option<AdapterConfig>) -> Option<(usize, Option<f64>, bool)> {
+        config.map(|c| match c {
+            AdapterConfig::Lora(c) => (c.rank, c.alpha, false),
+            AdapterConfig::Lokr(c) => (c.rank, c.alpha, true),
+        })
+    }
+
+    #[test]
+    fn include_exclude_overrides_and_conv() {
+        let plan = LoraPlan::new(LoraConfig::new(4))
+            .unwrap()
+            .with_conv(LokrConfig::new(2))
+            .unwrap()
+            .include("attn")
+            .unwrap()
+            .include("^conv_in$")
+            .unwrap()
+            .exclude("norm")
+            .unwrap()
+            .with_override(r"\.qkv$", Some(16), None)
+            .unwrap()
+            .with_override("qkv", Some(8), Some(1.0))
+            .unwrap();
+        assert_eq!(
+            rank(plan.config_for("blocks.0.attn.proj", false)),
+            Some((4, None, false))
+        );
+        assert_eq!(
+            rank(plan.config_for("blocks.0.attn.qkv", false)),
+            Some((16, None, false))
+        );
+        assert_eq!(
+            rank(plan.config_for("blocks.0.attn.qkv_extra", false)),
+            Some((8, Some(1.0), false))
+        );
+        assert_eq!(rank(plan.config_for("blocks.0.attn.norm.lin", false)), None);
+        assert_eq!(rank(plan.config_for("blocks.0.mlp.fc1", false)), None);
+        assert_eq!(
+            rank(plan.config_for("conv_in", true)),
+            Some((2, None, true))
+        );
+        assert_eq!(rank(plan.config_for("up.conv_in", true)), None);
+    }
+
+    #[test]
+    fn bad_patterns_and_overrides_are_errors() {
+        let plan = LoraPlan::new(LoraConfig::new(4)).unwrap();
+        let err = plan.clone().include("(").unwrap_err().to_string();
+        assert!(err.starts_with("invalid module pattern `(`"), "{err}");
+        let err = plan.with_override("x", Some(0), None).unwrap_err();
+        assert!(err.to_string().contains("rank"), "{err}");
+    }
+}

@@ -164,3 +164,42 @@ impl<B: Backend> ModuleVisitor<B> for Tracker {
         exit();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::LoraConfig;
+    use crate::layer::LoraLinear;
+    use crate::plan::LoraPlan;
+    use burn::backend::Flex;
+    use burn::module::ParamId;
+    use burn::nn::{Linear, LinearConfig};
+
+    fn active() -> bool {
+        SESSION.with(|s| s.borrow().is_some())
+    }
+
+    #[test]
+    fn a_panicking_task_leaves_no_session_behind() {
+        let device = Default::default();
+        // A base weight whose (lazy) initialisation panics: merging reads it inside the task.
+        let weight = Param::uninitialized(
+            ParamId::new(),
+            |_: &burn::tensor::Device<Flex>, _| -> Tensor<Flex, 2> { panic!("weight read") },
+            device,
+            false,
+            [4, 4].into(),
+        );
+        let layer: LoraLinear<Flex> = Linear { weight, bias: None }.into();
+        let layer = layer.attach(&LoraConfig::new(2).into()).unwrap();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crate::merge(layer)));
+        assert!(result.is_err());
+        assert!(!active());
+
+        // The next operation runs normally.
+        let layer: LoraLinear<Flex> = LinearConfig::new(4, 4).init(&device).into();
+        let (layer, report) = LoraPlan::new(LoraConfig::new(2)).unwrap().apply(layer);
+        assert_eq!(report.count(), 1);
+        assert!(layer.adapter().is_some() && !active());
+    }
+}

@@ -144,7 +144,7 @@ impl<B: Backend> Adapter<B> {
     ///
     /// The weights are created in `config.dtype`, else in `base_dtype` ("born in bf16" under a
     /// bf16 base), else in the device's default float dtype.
-    pub fn init(
+    pub(crate) fn init(
         config: &AdapterConfig,
         geometry: &Geometry,
         device: &B::Device,
@@ -289,11 +289,11 @@ impl<B: Backend> Adapter<B> {
         }
     }
 
-    /// Builds an adapter from a stored one that [`check_stored`] accepted for `geometry`.
+    /// Builds an adapter from a stored one whose shapes fit `geometry` (`check_stored`).
     ///
     /// When `previous` is an adapter of the same shape (resuming training), its parameter ids,
     /// gradient flags and dropout are kept, so optimizer state stays attached.
-    pub fn from_stored(
+    pub(crate) fn from_stored(
         stored: &StoredAdapter,
         geometry: &Geometry,
         device: &B::Device,

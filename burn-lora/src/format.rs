@@ -1,14 +1,5 @@
-//! Reading and writing adapter files: kohya / LyCORIS and PEFT / diffusers safetensors.
-//!
-//! | style | LoRA keys | alpha |
-//! | --- | --- | --- |
-//! | kohya | `lora_unet_<path_with_underscores>.lora_down.weight`, `.lora_up.weight` | `.alpha`, f32 scalar |
-//! | PEFT / diffusers | `transformer.<path>.lora_A.weight`, `.lora_B.weight` | `lora_adapter_metadata` entry, or baked into `lora_B` |
-//!
-//! LoKr adapters use `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a` + `.lokr_w2_b`, and always an
-//! `.alpha` f32 scalar, under either naming. Every file carries the metadata listed in
-//! [`save`]. Files are written to a temporary file in the target directory, synced, then
-//! renamed over the target.
+//! Reading and writing adapter files (kohya / LyCORIS and PEFT / diffusers safetensors),
+//! atomically; see the crate documentation for the key layouts.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -93,21 +84,21 @@ impl SaveOptions {
 }
 
 /// Metadata key: the kohya network module (`networks.lora` or `lycoris.kohya`).
-pub const META_NETWORK_MODULE: &str = "ss_network_module";
+const META_NETWORK_MODULE: &str = "ss_network_module";
 /// Metadata key: network arguments as JSON; `algo` is `lora`, `locon` or `lokr`.
-pub const META_NETWORK_ARGS: &str = "ss_network_args";
+const META_NETWORK_ARGS: &str = "ss_network_args";
 /// Metadata key: the rank (the most common one).
-pub const META_RANK: &str = "ss_network_dim";
+const META_RANK: &str = "ss_network_dim";
 /// Metadata key: the alpha (the most common one).
-pub const META_ALPHA: &str = "ss_network_alpha";
+const META_ALPHA: &str = "ss_network_alpha";
 /// Metadata key: the base model name.
-pub const META_BASE_MODEL: &str = "ss_sd_model_name";
+const META_BASE_MODEL: &str = "ss_sd_model_name";
 /// Metadata key: the training step.
-pub const META_STEP: &str = "ss_steps";
+const META_STEP: &str = "ss_steps";
 /// Metadata key: JSON list of module paths, so kohya names map back to paths.
-pub const META_MODULES: &str = "burn_lora_modules";
+const META_MODULES: &str = "burn_lora_modules";
 /// Metadata key diffusers reads LoRA config (alpha, patterns) from.
-pub const META_PEFT_CONFIG: &str = "lora_adapter_metadata";
+const META_PEFT_CONFIG: &str = "lora_adapter_metadata";
 
 const DERIVED_KEYS: [&str; 8] = [
     META_NETWORK_MODULE,
@@ -167,13 +158,19 @@ fn scalar(value: f32) -> TensorData {
     TensorData::new(vec![value], Vec::<usize>::new())
 }
 
-/// Writes `set` to `path`.
+/// Writes `set` to `path`, atomically (a temporary file in the same directory, synced, then
+/// renamed over `path`).
 ///
-/// Metadata written: `format = pt`; [`META_NETWORK_MODULE`], [`META_NETWORK_ARGS`] (network
-/// type), [`META_RANK`], [`META_ALPHA`] (the most common values), [`META_BASE_MODEL`] and
-/// [`META_STEP`] when known; kohya files whose module paths contain dots also get
-/// [`META_MODULES`]; PEFT files with alpha in metadata get [`META_PEFT_CONFIG`]. Other entries
-/// of `set.metadata.extra` are kept.
+/// Alpha is written as an f32 scalar `.alpha` tensor, except for LoRA in PEFT style, where it
+/// goes into the `lora_adapter_metadata` entry diffusers reads (`r`, `lora_alpha`,
+/// `rank_pattern`, `alpha_pattern`, `target_modules`) or is baked into `lora_B`.
+///
+/// Metadata: `format = pt`, `ss_network_module` (`networks.lora` or `lycoris.kohya`),
+/// `ss_network_args` (`{"algo": "lora" | "locon" | "lokr"}`), `ss_network_dim` and
+/// `ss_network_alpha` (the most common rank and alpha), `ss_sd_model_name` (base model) and
+/// `ss_steps` (training step) when known, and for kohya files whose module paths contain dots
+/// `burn_lora_modules`, the list of paths that lets [`load`] restore them. Other entries of
+/// `set.metadata.extra` are kept.
 pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), LoraError> {
     if options.format == Format::Peft && set.has_flat_names() {
         let key = set
@@ -267,8 +264,15 @@ fn most_common<T: Ord + Copy>(values: impl IntoIterator<Item = T>) -> Option<T> 
     counts.into_iter().find(|(_, c)| *c == best).map(|(v, _)| v)
 }
 
-fn format_alpha(alpha: f32) -> String {
-    format!("{alpha}")
+/// An f32 alpha as the shortest f64 that reads back as the same f32 (`0.1`, not
+/// `0.10000000149011612`).
+fn json_alpha(alpha: f32) -> Value {
+    json!(
+        alpha
+            .to_string()
+            .parse::<f64>()
+            .expect("a float prints as a float")
+    )
 }
 
 fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
@@ -302,7 +306,7 @@ fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
         out.push((META_RANK.into(), rank.to_string()));
     }
     if let Some(bits) = most_common(adapters.iter().map(|a| a.alpha().to_bits())) {
-        out.push((META_ALPHA.into(), format_alpha(f32::from_bits(bits))));
+        out.push((META_ALPHA.into(), f32::from_bits(bits).to_string()));
     }
     out
 }
@@ -319,7 +323,7 @@ fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
             rank_pattern.insert(name.clone(), json!(rank));
         }
         if alpha.to_bits() != alpha_bits {
-            alpha_pattern.insert(name.clone(), json!(alpha));
+            alpha_pattern.insert(name.clone(), json_alpha(*alpha));
         }
     }
     let names: Vec<&str> = alphas.iter().map(|(n, _, _)| n.as_str()).collect();
@@ -332,7 +336,7 @@ fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
     };
     let mut config = Map::new();
     config.insert(key("r"), json!(r));
-    config.insert(key("lora_alpha"), json!(lora_alpha));
+    config.insert(key("lora_alpha"), json_alpha(lora_alpha));
     config.insert(key("rank_pattern"), Value::Object(rank_pattern));
     config.insert(key("alpha_pattern"), Value::Object(alpha_pattern));
     config.insert(key("target_modules"), json!(names));

@@ -1,27 +1,4 @@
 //! Module-name mapping between a model and the tool a file is meant for.
-//!
-//! A model crate describes, once per model, how its module paths differ from a target tool's
-//! (e.g. a diffusers-layout FLUX to BFL names): plain renames, and fusions of several layers
-//! into one weight (`attn.to_q`, `to_k`, `to_v` → `img_attn.qkv`). This crate applies the map
-//! to an [`AdapterSet`] in either direction.
-//!
-//! A LoRA on split layers becomes a LoRA on the fused weight by stacking the down matrices and
-//! placing the up matrices on a block diagonal:
-//!
-//! ```text
-//! down = [A_q; A_k; A_v]            (3r × in)
-//! up   = [[B_q, 0, 0], [0, B_k, 0], [0, 0, B_v]]   (3·out × 3r)
-//! up · down = [B_q A_q; B_k A_k; B_v A_v]           (each part's own update)
-//! ```
-//!
-//! with alpha multiplied by the number of parts so `alpha / rank` is unchanged. ComfyUI applies
-//! a kohya `qkv` LoRA as `alpha / rank · up · down` on the fused weight, which is exactly the
-//! per-part updates stacked; diffusers' kohya FLUX converter recognises the zero off-diagonal
-//! blocks and splits the file back into the original per-part LoRAs. Sharing one down matrix
-//! and concatenating the up matrices would only be exact if the parts shared their down
-//! matrix, which independently trained LoRAs do not. Splitting does the reverse: a block
-//! diagonal up splits into the original parts, any other fused LoRA gives each part the whole
-//! down matrix and its rows of up.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +16,33 @@ struct Fusion {
 }
 
 /// Renames and fusions from a model's module names to a target tool's names.
+///
+/// A model crate describes, once per model, how its module paths differ from a target tool's
+/// (e.g. a diffusers-layout FLUX to BFL names): plain renames, and fusions of several layers
+/// into one weight (`attn.to_q`, `to_k`, `to_v` → `img_attn.qkv`). This crate applies the map
+/// to an [`AdapterSet`] in either direction.
+///
+/// A LoRA on split layers becomes a LoRA on the fused weight by stacking the down matrices and
+/// placing the up matrices on a block diagonal:
+///
+/// ```text
+/// down = [A_q; A_k; A_v]            (3r × in)
+/// up   = [[B_q, 0, 0], [0, B_k, 0], [0, 0, B_v]]   (3·out × 3r)
+/// up · down = [B_q A_q; B_k A_k; B_v A_v]           (each part's own update)
+/// ```
+///
+/// with alpha set to `scale · total rank` (three parts of rank `r` and alpha `a` give rank `3r`,
+/// alpha `3a`), so `alpha / rank` is unchanged; parts with different scales have their scale
+/// multiplied into their block of `up` and alpha equals the rank. ComfyUI applies a kohya
+/// `qkv` LoRA as `alpha / rank · up · down` on the fused weight, which is exactly the per-part
+/// updates stacked; diffusers' kohya FLUX converter recognises the zero off-diagonal blocks and
+/// splits the file back into the original per-part LoRAs (ref: ComfyUI
+/// `comfy/weight_adapter/lora.py`, diffusers 0.42.1 `loaders/lora_conversion_utils.py`
+/// `_convert_kohya_flux_lora_to_diffusers`; `tests/fixtures/make_fixtures.py` checks both). Sharing one down matrix
+/// and concatenating the up matrices would only be exact if the parts shared their down
+/// matrix, which independently trained LoRAs do not. Splitting does the reverse: a block
+/// diagonal up splits into the original parts, any other fused LoRA gives each part the whole
+/// down matrix and its rows of up.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NameMap {
     renames: Vec<(String, String)>,

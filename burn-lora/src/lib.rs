@@ -1,17 +1,6 @@
 //! LoRA, LoCon and LoKr adapters for Burn layers, trained while the base stays frozen, with
-//! the safetensors formats other tools load (kohya / LyCORIS, PEFT / diffusers).
-//!
-//! A model opts in by using [`LoraLinear`] where it used `nn::Linear` and [`LoraConv2d`] where
-//! it used `nn::Conv2d` (`LinearConfig::new(a, b).init(device).into()`). Such a layer behaves
-//! exactly like the plain one until an adapter is attached, and its base parameters keep their
-//! paths (`blocks.0.qkv.weight`, inside `Struct:Linear`), so checkpoints and loaders written
-//! for the plain model keep working. The base is frozen; only adapter weights train.
-//!
-//! A [`LoraPlan`] attaches adapters to a whole model by module path, through Burn's module
-//! mapping, and reports what it wrapped. Afterwards, [`export`] copies the adapters to an
-//! [`AdapterSet`], [`save`] / [`load`] write and read files, [`load_adapters`] puts a set back
-//! into a model, [`merge`] bakes the adapters into the base weights, and [`NameMap`] renames
-//! (and fuses q/k/v into `qkv`) for the tool a file is meant for.
+//! the safetensors formats other tools load (kohya / LyCORIS, PEFT / diffusers). Works on any
+//! Burn backend.
 //!
 //! ```
 //! use burn::backend::Flex;
@@ -50,6 +39,81 @@
 //! burn_lora::save(&set, &dir.path().join("lora.safetensors"), &SaveOptions::kohya())?;
 //! # Ok::<(), burn_lora::LoraError>(())
 //! ```
+//!
+//! # How a model opts in
+//!
+//! Burn's module mapping can change parameters but not a field's type, so a model declares the
+//! layers that may carry an adapter: [`LoraLinear`] where it had `nn::Linear`, [`LoraConv2d`]
+//! where it had `nn::Conv2d`, built with `.into()` from the plain layer. That is the whole
+//! change:
+//!
+//! - Without an adapter the layer computes what the plain layer computes, through the same
+//!   `burn::tensor::module::linear` / `conv2d` call on the same `nn::Linear` / `nn::Conv2d`
+//!   (so backend decorators that intercept those ops keep seeing the base weight).
+//! - The base parameters keep their paths and container type (`blocks.0.qkv.weight` inside
+//!   `Struct:Linear`), so checkpoint loaders and key tables written for the plain model work
+//!   unchanged. Adapter parameters appear under `<layer>.lora.{down,up}` or
+//!   `<layer>.lokr.{w1,w2,w2_a,w2_b}`.
+//! - The base is frozen when wrapped (lazily initialised weights stay lazy) and stays frozen
+//!   through `valid()` / `train()`; only adapter weights receive gradients.
+//!
+//! # Adapters, alpha and scale
+//!
+//! [`LoraConfig`]: `ΔW = scale · up · down`, `down` (`A`) Kaiming-uniform as PEFT, `up` (`B`)
+//! zero, `scale = alpha / rank` (`alpha` defaults to `rank`; `alpha / sqrt(rank)` with
+//! `rslora`). A rank-1024, alpha-64 adapter has scale 0.0625 in the forward, in the saved
+//! file and after loading. [`LokrConfig`]: `ΔW = w1 ⊗ w2` with the most balanced factor pair
+//! (or a configured factor), full second factor (scale 1) or `w2 = w2_a · w2_b` (scale
+//! `alpha / rank`). Adapters are created in the base weight's dtype (bf16 under a bf16 base)
+//! unless a dtype is configured; dropout applies to the adapter input when autodiff is on;
+//! [`Adapted::with_multiplier`] / [`set_multiplier`] scale the update at inference, and
+//! [`merge`] / [`unmerge`] add it to / remove it from the base weights.
+//!
+//! # Whole-model operations
+//!
+//! [`LoraPlan::apply`] (include / exclude patterns, per-pattern rank and alpha),
+//! [`adapted_layers`], [`merge`], [`unmerge`], [`set_multiplier`], [`export`] and
+//! [`load_adapters`] walk the model with Burn's `Module::map` / `visit`; each
+//! [`Adapted`] layer hands itself and its path to the running operation. Operations run on the
+//! calling thread and do not nest.
+//!
+//! # Files
+//!
+//! | style | keys | alpha |
+//! | --- | --- | --- |
+//! | kohya | `lora_unet_<path_with_underscores>.lora_down.weight`, `.lora_up.weight` | `.alpha` f32 scalar |
+//! | PEFT / diffusers | `transformer.<path>.lora_A.weight`, `.lora_B.weight` | `lora_adapter_metadata`, or baked into `lora_B` |
+//! | LoKr (either naming) | `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a` + `.lokr_w2_b` | `.alpha` f32 scalar |
+//!
+//! [`save`] writes atomically and records rank, alpha, network type, base model and step in
+//! the metadata; [`load`] detects the style (PEFT alphas also come from an
+//! `adapter_config.json` next to the file); [`convert`] rewrites a file in the other style.
+//! Layout follows PyTorch: `down` is `[rank, in]` (`[rank, in, kh, kw]` for a convolution),
+//! `up` is `[out, rank]` (`[out, rank, 1, 1]`).
+//!
+//! # Names for other tools
+//!
+//! A model crate describes how its module paths differ from a tool's with a [`NameMap`]:
+//! renames, and fusions such as diffusers' `attn.to_q`, `to_k`, `to_v` into BFL's
+//! `img_attn.qkv`. LoRAs on the parts become one LoRA on the fused weight with stacked down
+//! and block-diagonal up matrices, which ComfyUI and diffusers both load as the original
+//! per-part updates (see [`NameMap`] and the fixture tests).
+//!
+//! ```
+//! use burn_lora::NameMap;
+//!
+//! let hidden = 3072;
+//! let flux = (0..19).fold(NameMap::new(), |map, i| {
+//!     let attn = format!("transformer_blocks.{i}.attn");
+//!     let parts = ["to_q", "to_k", "to_v"].map(|p| format!("{attn}.{p}"));
+//!     map.fuse(
+//!         format!("double_blocks.{i}.img_attn.qkv"),
+//!         &[(&parts[0], hidden), (&parts[1], hidden), (&parts[2], hidden)],
+//!     )
+//!     .rename(format!("{attn}.to_out.0"), format!("double_blocks.{i}.img_attn.proj"))
+//! });
+//! # let _ = flux;
+//! ```
 #![warn(missing_docs)]
 
 mod adapter;
@@ -66,11 +130,7 @@ mod set;
 pub use adapter::{Adapter, AdapterKind, Geometry, LokrWeights, LoraWeights};
 pub use config::{AdapterConfig, LokrConfig, LoraConfig, factorize};
 pub use error::LoraError;
-pub use format::{
-    ConvertReport, Format, META_ALPHA, META_BASE_MODEL, META_MODULES, META_NETWORK_ARGS,
-    META_NETWORK_MODULE, META_PEFT_CONFIG, META_RANK, META_STEP, PeftAlpha, SaveOptions, convert,
-    load, save,
-};
+pub use format::{ConvertReport, Format, PeftAlpha, SaveOptions, convert, load, save};
 pub use keymap::NameMap;
 pub use layer::{Adapted, BaseLayer, LoraConv2d, LoraLinear};
 pub use model::{

@@ -29,10 +29,20 @@ fn output(model: &Tiny<common::B>) -> burn::tensor::TensorData {
     model.forward(reference_input()).into_data()
 }
 
+/// Asserts the model's output is within `tolerance` (relative to the largest reference value)
+/// of the float64 reference `expected`, and prints the figure.
+fn assert_matches(what: &str, model: &Tiny<common::B>, expected: &str, tolerance: f64) {
+    let err = rel_err(&output(model), &reference_output(expected));
+    eprintln!("{what}: relative error {err:.2e} against {expected}");
+    assert!(
+        err <= tolerance,
+        "{what}: relative error {err} against {expected}"
+    );
+}
+
 #[test]
 fn port_matches_the_base_model() {
-    let err = rel_err(&output(&tiny_model()), &reference_output("out_base"));
-    assert!(err <= 1e-6, "relative error {err}");
+    assert_matches("base model", &tiny_model(), "out_base", 1e-6);
 }
 
 #[test]
@@ -45,8 +55,7 @@ fn peft_save_pretrained_file_gives_the_peft_output() {
     assert_eq!(model.head.adapter().unwrap().scale(), 4.0);
     assert_eq!(model.blocks[1].fc2.adapter().unwrap().scale(), 0.75);
     assert_eq!(model.blocks[0].fc2.adapter().unwrap().scale(), 2.0);
-    let err = rel_err(&output(&model), &reference_output("out_peft"));
-    assert!(err <= 1e-5, "relative error {err}");
+    assert_matches("PEFT save_pretrained", &model, "out_peft", 1e-5);
     // The adapters matter: the base output is far away.
     assert!(rel_err(&output(&tiny_model()), &reference_output("out_peft")) > 0.05);
 }
@@ -55,8 +64,7 @@ fn peft_save_pretrained_file_gives_the_peft_output() {
 fn diffusers_file_with_alpha_in_metadata_gives_the_peft_output() {
     let (model, report) = apply_file("diffusers_tiny.safetensors");
     assert_eq!(report.loaded, ALL_LAYERS);
-    let err = rel_err(&output(&model), &reference_output("out_peft"));
-    assert!(err <= 1e-5, "relative error {err}");
+    assert_matches("diffusers save_lora_weights", &model, "out_peft", 1e-5);
 }
 
 #[test]
@@ -76,12 +84,10 @@ fn kohya_file_gives_the_reference_output() {
     );
     // One adapter is stored in bf16 and runs in bf16 (unit roundoff 2^-9 ≈ 2e-3).
     assert_eq!(model.blocks[1].fc2.adapter().unwrap().dtype(), DType::BF16);
-    let err = rel_err(&output(&model), &reference_output("out_kohya"));
-    assert!(err <= 4e-3, "relative error {err}");
+    assert_matches("kohya, bf16 adapter in bf16", &model, "out_kohya", 4e-3);
     // Converted to f32 it matches to f32 precision.
     let (model, _) = load_adapters(tiny_model(), set.with_dtype(DType::F32)).unwrap();
-    let err = rel_err(&output(&model), &reference_output("out_kohya"));
-    assert!(err <= 1e-5, "relative error {err}");
+    assert_matches("kohya, converted to f32", &model, "out_kohya", 1e-5);
 }
 
 #[test]
@@ -91,8 +97,7 @@ fn lycoris_lokr_file_gives_the_reference_output() {
     let fc1 = model.blocks[0].fc1.adapter().unwrap();
     assert_eq!((fc1.rank(), fc1.scale()), (None, 1.0));
     assert_eq!(model.blocks[1].fc2.adapter().unwrap().scale(), 1.5);
-    let err = rel_err(&output(&model), &reference_output("out_lokr"));
-    assert!(err <= 1e-5, "relative error {err}");
+    assert_matches("LyCORIS LoKr", &model, "out_lokr", 1e-5);
 }
 
 /// Every fixture survives export → save (each style) → load → load_adapters.
@@ -120,8 +125,8 @@ fn every_fixture_round_trips_through_every_style() {
             save(&set, &path, options).unwrap();
             let (reloaded, report) = load_adapters(tiny_model(), load(&path).unwrap()).unwrap();
             assert!(report.is_complete(), "{file} {options:?}: {report}");
-            let err = rel_err(&output(&reloaded), &reference_output(expected));
-            assert!(err <= tolerance, "{file} {options:?}: relative error {err}");
+            let what = format!("{file} via {:?}/{:?}", options.format, options.peft_alpha);
+            assert_matches(&what, &reloaded, expected, tolerance);
         }
     }
 }
@@ -203,8 +208,7 @@ fn convert_between_styles_keeps_the_output() {
     assert!(keys.contains(&"transformer.blocks.0.fc1.lora_A.weight".to_string()));
     for file in [&kohya, &peft] {
         let (model, _) = load_adapters(tiny_model(), load(file).unwrap()).unwrap();
-        let err = rel_err(&output(&model), &reference_output("out_peft"));
-        assert!(err <= 1e-5, "{file:?}: relative error {err}");
+        assert_matches(&format!("converted {file:?}"), &model, "out_peft", 1e-5);
     }
 
     // A kohya file from another tool has no module table: PEFT names cannot be recovered.

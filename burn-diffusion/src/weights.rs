@@ -30,7 +30,8 @@ pub(crate) struct NamedTensors {
 impl NamedTensors {
     /// Names the tensors of `files` (opened from `path`) with `canonical`, which returns `None`
     /// for a tensor that is not part of the model (another component of an all-in-one file, a
-    /// buffer); those are ignored.
+    /// buffer); those are ignored. The scales of FP8 weights are read with their weight and get
+    /// no name of their own.
     pub fn new(
         files: Checkpoint,
         path: &Path,
@@ -38,6 +39,9 @@ impl NamedTensors {
     ) -> Result<Self, LoadError> {
         let mut keys = HashMap::new();
         for entry in files.tensors() {
+            if is_fp8_companion(entry.name) {
+                continue;
+            }
             let Some(name) = canonical(entry.name) else {
                 continue;
             };
@@ -244,6 +248,12 @@ impl<B: Backend, F> Filler<'_, B, F> {
     }
 }
 
+/// Whether `key` is the scale of an FP8 weight (`burnlora quantize`'s and ComfyUI's
+/// `.scale_weight`), one of ComfyUI's FP8 input scales, or its scaled-FP8 marker.
+fn is_fp8_companion(key: &str) -> bool {
+    key.ends_with(".scale_weight") || key.ends_with(".scale_input") || key == "scaled_fp8"
+}
+
 /// The transpose of a row-major `[rows, cols]` matrix.
 fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
@@ -333,6 +343,42 @@ mod tests {
             .to_vec::<f32>()
             .unwrap();
         assert_eq!(gamma, [0.5, 1.5]);
+    }
+
+    #[test]
+    fn fp8_weights_load_with_their_scales() {
+        use burn_quant::{Fp8Format, Granularity, QuantizeOptions, quantize_checkpoint, read_fp8};
+        let dir = tempfile::tempdir().unwrap();
+        let weight: Vec<f32> = (0..6).map(|v| v as f32 * 0.37 - 1.0).collect();
+        let source = write(
+            dir.path(),
+            &[
+                ("proj.weight", vec![2, 3], weight),
+                ("proj.bias", vec![2], vec![7.0, 8.0]),
+                ("norm.weight", vec![2], vec![0.5, 1.5]),
+                ("norm.bias", vec![2], vec![-1.0, 1.0]),
+            ],
+        );
+        let file = dir.path().join("fp8.safetensors");
+        let options = QuantizeOptions {
+            format: Fp8Format::E4M3,
+            granularity: Granularity::Row,
+            include: None,
+            exclude: None,
+        };
+        quantize_checkpoint(&source, &file, &options).unwrap();
+        let files = Checkpoint::open(&file).unwrap();
+        assert!(files.get("proj.scale_weight").is_some());
+        let expected = read_fp8(&files, "proj.weight")
+            .unwrap()
+            .unwrap()
+            .dequantize();
+        let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
+        let model = tensors
+            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .unwrap();
+        let loaded = model.proj.weight.val().into_data().to_vec::<f32>().unwrap();
+        assert_eq!(loaded, transpose(&expected, 2, 3));
     }
 
     #[test]

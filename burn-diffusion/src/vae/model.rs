@@ -403,7 +403,6 @@ impl<B: Backend> Downsample2D<B> {
         Self {
             conv: Conv2dConfig::new([width, width], [3, 3])
                 .with_stride([2, 2])
-                .with_padding(PaddingConfig2d::Explicit(0, 0, 1, 1))
                 .init(device),
         }
     }
@@ -411,8 +410,21 @@ impl<B: Backend> Downsample2D<B> {
     /// # Shapes
     /// - `x`: `[batch, c, h, w]`; output: `[batch, c, ⌈h / 2⌉, ⌈w / 2⌉]`
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        self.conv.forward(x)
+        self.conv.forward(pad_bottom_right(x))
     }
+}
+
+/// One row of zeros below and one column on the right (PyTorch's `F.pad(x, (0, 1, 0, 1))`), in
+/// the input's dtype. Burn 0.21's asymmetric convolution padding makes its zeros in the
+/// device's default dtype, which fails for bf16 activations on an f32 device.
+fn pad_bottom_right<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [b, c, h, w] = x.dims();
+    let (device, dtype) = (x.device(), x.dtype());
+    let x = Tensor::cat(vec![x, Tensor::zeros([b, c, h, 1], (&device, dtype))], 3);
+    Tensor::cat(
+        vec![x, Tensor::zeros([b, c, 1, w + 1], (&device, dtype))],
+        2,
+    )
 }
 
 /// Nearest-neighbour 2× upsampling, then a 3×3 convolution.
@@ -548,6 +560,19 @@ mod tests {
         norm(&layer, x.clone())
             .into_data()
             .assert_approx_eq::<f32>(&layer.forward(x).into_data(), Tolerance::absolute(1e-5));
+    }
+
+    #[test]
+    fn padding_adds_zeros_below_and_right_in_the_input_dtype() {
+        let device = Default::default();
+        let x = Tensor::<B, 4>::from_data([[[[1.0, 2.0], [3.0, 4.0]]]], (&device, DType::BF16));
+        let padded = pad_bottom_right(x);
+        assert_eq!(padded.dtype(), DType::BF16);
+        let expected = TensorData::from([[[[1.0f32, 2.0, 0.0], [3.0, 4.0, 0.0], [0.0, 0.0, 0.0]]]]);
+        padded
+            .cast(DType::F32)
+            .into_data()
+            .assert_eq(&expected, true);
     }
 
     #[test]

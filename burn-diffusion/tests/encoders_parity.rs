@@ -212,6 +212,29 @@ fn vae_and_text_encoders_run_in_bf16() {
     );
 }
 
+#[test]
+fn wrong_files_are_refused_by_name() {
+    let clip_file = fixture("flux_text/text_encoder/model.safetensors");
+    let error = VaeCheckpoint::open(&clip_file).err().unwrap().to_string();
+    assert!(
+        error.contains("text_encoder/model.safetensors") && error.contains("no VAE tensors"),
+        "{error}"
+    );
+    let error = T5Encoder::<B>::load(&clip_file, &Default::default(), FloatDType::F32)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("encoder.embed_tokens.weight` is missing"),
+        "{error}"
+    );
+    let error = ClipTextModel::<B>::load(&fixture("images"), &Default::default(), FloatDType::F32)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("fixtures/images"), "{error}");
+}
+
 /// The fixture captions and the reference ids of each tokenizer.
 fn captions() -> serde_json::Value {
     let text = std::fs::read_to_string(fixture("flux_text/captions.json")).unwrap();

@@ -1,0 +1,1236 @@
+//! The training configuration: a YAML file in the spirit of ai-toolkit's, with environment
+//! overrides (`BURNLORA_TRAIN__STEPS=10` sets `train.steps`).
+//!
+//! Parsing ([`TrainYaml`], plain serde, unknown keys rejected) is separate from validation
+//! ([`TrainPlan::from_yaml`]), which checks every value, resolves relative paths against the
+//! folder of the configuration file, and names each field at fault with what is allowed.
+//! CONFIG.md at the repository root documents every key and its default.
+//!
+//! ```no_run
+//! let plan = burn_lora_train::config::TrainPlan::load("flux_lora.yaml".as_ref())?;
+//! println!("{} steps, writing to {}", plan.train.steps, plan.run_dir().display());
+//! # Ok::<(), burn_lora_train::config::ConfigError>(())
+//! ```
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::DType;
+use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, LoraPlan};
+use burn_quant::Fp8Format;
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::rng::Rng;
+
+/// The prefix of environment variables that override configuration keys.
+pub const ENV_PREFIX: &str = "BURNLORA_";
+
+/// One problem in a configuration: the dotted path of the field and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldProblem {
+    /// The dotted path of the field (`train.steps`, `datasets[0].resolution`); empty for the
+    /// file as a whole.
+    pub field: String,
+    /// What is wrong and what is allowed.
+    pub message: String,
+}
+
+impl fmt::Display for FieldProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "`{}`: {}", self.field, self.message)
+        }
+    }
+}
+
+/// A configuration that cannot be used: the file and every problem found in it.
+#[derive(Debug, thiserror::Error)]
+pub struct ConfigError {
+    /// The configuration file.
+    pub file: PathBuf,
+    /// Every problem, in the order of the file's sections (at least one).
+    pub problems: Vec<FieldProblem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.problems.as_slice() {
+            [one] => write!(f, "{}: {one}", self.file.display()),
+            many => {
+                write!(f, "{}: {} problems", self.file.display(), many.len())?;
+                many.iter().try_for_each(|p| write!(f, "\n  {p}"))
+            }
+        }
+    }
+}
+
+impl ConfigError {
+    fn one(file: &Path, field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            file: file.to_path_buf(),
+            problems: vec![FieldProblem {
+                field: field.into(),
+                message: message.into(),
+            }],
+        }
+    }
+
+    /// Whether some problem is about `field` (a dotted path such as `datasets[0].resolution`).
+    pub fn concerns(&self, field: &str) -> bool {
+        self.problems.iter().any(|p| p.field == field)
+    }
+}
+
+/// The configuration as written in the YAML file (after environment overrides).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainYaml {
+    /// Name of the run: its folder is `<output_dir>/<name>`, its LoRA files `<name>_<step>`.
+    pub name: String,
+    /// Folder that holds run folders (relative to the config file).
+    #[serde(default = "defaults::output_dir")]
+    pub output_dir: PathBuf,
+    /// The adapter.
+    pub network: NetworkYaml,
+    /// The base model.
+    pub model: ModelYaml,
+    /// The optimisation.
+    #[serde(default = "defaults::section")]
+    pub train: TrainSectionYaml,
+    /// The training data (at least one folder).
+    pub datasets: Vec<DatasetYaml>,
+    /// Checkpointing.
+    #[serde(default = "defaults::section")]
+    pub save: SaveYaml,
+    /// Logging.
+    #[serde(default = "defaults::section")]
+    pub logging: LoggingYaml,
+}
+
+/// `network`: the adapter type, rank and alpha, and which layers it wraps.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkYaml {
+    /// `lora` or `lokr`.
+    #[serde(rename = "type", default = "defaults::network_type")]
+    pub kind: String,
+    /// Rank of the adapters on linear layers.
+    pub linear: usize,
+    /// Alpha of the adapters on linear layers (defaults to the rank: scale 1).
+    pub linear_alpha: Option<f64>,
+    /// Rank of the adapters on conv layers (0: convs are not wrapped).
+    #[serde(default)]
+    pub conv: usize,
+    /// Alpha of the conv adapters (defaults to their rank).
+    pub conv_alpha: Option<f64>,
+    /// Dropout on the adapter input, in [0, 1).
+    #[serde(default)]
+    pub dropout: f64,
+    /// LoKr: size of the first Kronecker factor (absent: the most balanced split).
+    pub lokr_factor: Option<usize>,
+    /// LoKr: keep the second factor as a full matrix instead of a rank-`linear` product.
+    #[serde(default)]
+    pub lokr_full_rank: bool,
+    /// Regular expressions searched in module paths: only matching layers are wrapped (all
+    /// when empty).
+    #[serde(default)]
+    pub include: Vec<String>,
+    /// Regular expressions searched in module paths: matching layers are left alone.
+    #[serde(default)]
+    pub exclude: Vec<String>,
+}
+
+/// `model`: which model, where, and how its frozen weights reach the device.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelYaml {
+    /// Architecture: `flux1` (FLUX.1 dev / schnell).
+    pub arch: String,
+    /// A diffusers folder or a single checkpoint file, relative to the config file; the word
+    /// `tiny` builds a small random model instead (for trying the tool).
+    pub path: PathBuf,
+    /// Compute dtype of the base: `bf16` or `f32`.
+    #[serde(default = "defaults::dtype")]
+    pub dtype: String,
+    /// Format of the frozen weights on the bus: `none` (the dtype), `e5m2` or `e4m3`.
+    #[serde(default = "defaults::quantize")]
+    pub quantize: String,
+    /// Streaming of frozen weights from host memory.
+    #[serde(default = "defaults::section")]
+    pub offload: OffloadYaml,
+}
+
+/// `model.offload`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadYaml {
+    /// Device memory for resident weights, in GB (decimal); absent: no streaming, all resident.
+    pub vram_budget_gb: Option<f64>,
+    /// Device buffers in the prefetch ring (at least 2).
+    #[serde(default = "defaults::ring_slots")]
+    pub ring_slots: usize,
+}
+
+/// `train`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSectionYaml {
+    /// Optimizer steps.
+    #[serde(default = "defaults::steps")]
+    pub steps: u64,
+    /// Samples per micro-batch.
+    #[serde(default = "defaults::one")]
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[serde(default = "defaults::one")]
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    #[serde(default = "defaults::lr")]
+    pub lr: f64,
+    /// `adamw` (f32 moments) or `adamw8bit` (block-wise 8-bit moments).
+    #[serde(default = "defaults::optimizer")]
+    pub optimizer: String,
+    /// AdamW weight decay (decoupled).
+    #[serde(default = "defaults::weight_decay")]
+    pub weight_decay: f64,
+    /// `constant`, `linear` or `cosine` (after warm-up).
+    #[serde(default = "defaults::lr_scheduler")]
+    pub lr_scheduler: String,
+    /// Steps of linear warm-up from 0.
+    #[serde(default)]
+    pub lr_warmup_steps: u64,
+    /// Gradient clipping by global norm (0: off).
+    #[serde(default = "defaults::max_grad_norm")]
+    pub max_grad_norm: f64,
+    /// Recompute each block in backward instead of storing its activations.
+    #[serde(default = "defaults::yes")]
+    pub gradient_checkpointing: bool,
+    /// σ sampling: `uniform`, `sigmoid` (= `logit_normal`) or `shift`.
+    #[serde(default = "defaults::timestep_type")]
+    pub timestep_type: String,
+    /// Shift value for `timestep_type: shift` (FLUX.1-dev uses 3.0).
+    #[serde(default = "defaults::shift")]
+    pub timestep_shift: f64,
+    /// Guidance value fed to guidance-distilled models (FLUX.1-dev).
+    #[serde(default = "defaults::guidance")]
+    pub guidance_scale: f64,
+    /// Consecutive non-finite losses after which training stops (with a checkpoint).
+    #[serde(default = "defaults::max_nan_steps")]
+    pub max_nan_steps: usize,
+    /// Seed of every random choice (data order, noise, σ, dropout).
+    #[serde(default = "defaults::seed")]
+    pub seed: u64,
+}
+
+/// One entry of `datasets`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetYaml {
+    /// Folder of images with same-stem caption files (relative to the config file).
+    pub folder_path: PathBuf,
+    /// Extension of caption files (with or without the dot).
+    #[serde(default = "defaults::caption_ext")]
+    pub caption_ext: String,
+    /// Bucket resolutions (the side of the square of equal area), multiples of 16; a single
+    /// number or a list.
+    #[serde(default = "defaults::resolution", deserialize_with = "one_or_many")]
+    pub resolution: Vec<usize>,
+    /// Times each image is seen per epoch.
+    #[serde(default = "defaults::one")]
+    pub num_repeats: usize,
+    /// Probability of training a sample with an empty caption.
+    #[serde(default)]
+    pub caption_dropout_rate: f64,
+    /// Keep latents and text embeddings in a cache folder beside the images.
+    #[serde(default = "defaults::yes")]
+    pub cache_latents_to_disk: bool,
+}
+
+/// `save`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SaveYaml {
+    /// Save every this many steps (and at the end).
+    #[serde(default = "defaults::save_every")]
+    pub save_every: u64,
+    /// How many step checkpoints to keep (older ones are deleted).
+    #[serde(default = "defaults::keep")]
+    pub max_step_saves_to_keep: usize,
+    /// File format of the LoRA: `kohya` or `peft`.
+    #[serde(default = "defaults::format")]
+    pub format: String,
+    /// dtype of the saved LoRA weights: `bf16`, `f16` or `f32`.
+    #[serde(default = "defaults::save_dtype")]
+    pub dtype: String,
+}
+
+/// `logging`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingYaml {
+    /// Log a line (and a loss CSV row) every this many steps.
+    #[serde(default = "defaults::one_u64")]
+    pub log_every: u64,
+    /// Show a progress bar on the terminal.
+    #[serde(default = "defaults::yes")]
+    pub progress_bar: bool,
+}
+
+/// Accepts `512` as well as `[512, 768]`.
+fn one_or_many<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(usize),
+        Many(Vec<usize>),
+    }
+    match OneOrMany::deserialize(deserializer) {
+        Ok(OneOrMany::One(one)) => Ok(vec![one]),
+        Ok(OneOrMany::Many(many)) => Ok(many),
+        Err(_) => Err(serde::de::Error::custom(
+            "expected a resolution (a positive integer) or a list of them",
+        )),
+    }
+}
+
+mod defaults {
+    use std::path::PathBuf;
+
+    use serde::Deserialize;
+
+    /// A section with every field at its default, as when the section is absent.
+    pub fn section<T: for<'de> Deserialize<'de>>() -> T {
+        T::deserialize(serde::de::value::MapDeserializer::<
+            std::iter::Empty<(String, String)>,
+            serde::de::value::Error,
+        >::new(std::iter::empty()))
+        .expect("every field of this section has a default")
+    }
+    pub fn output_dir() -> PathBuf {
+        "output".into()
+    }
+    pub fn network_type() -> String {
+        "lora".into()
+    }
+    pub fn dtype() -> String {
+        "bf16".into()
+    }
+    pub fn quantize() -> String {
+        "none".into()
+    }
+    pub fn ring_slots() -> usize {
+        2
+    }
+    pub fn steps() -> u64 {
+        1000
+    }
+    pub fn one() -> usize {
+        1
+    }
+    pub fn one_u64() -> u64 {
+        1
+    }
+    pub fn lr() -> f64 {
+        1e-4
+    }
+    pub fn optimizer() -> String {
+        "adamw8bit".into()
+    }
+    pub fn weight_decay() -> f64 {
+        1e-2
+    }
+    pub fn lr_scheduler() -> String {
+        "constant".into()
+    }
+    pub fn max_grad_norm() -> f64 {
+        1.0
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn timestep_type() -> String {
+        "sigmoid".into()
+    }
+    pub fn shift() -> f64 {
+        3.0
+    }
+    pub fn guidance() -> f64 {
+        1.0
+    }
+    pub fn max_nan_steps() -> usize {
+        5
+    }
+    pub fn seed() -> u64 {
+        42
+    }
+    pub fn caption_ext() -> String {
+        "txt".into()
+    }
+    pub fn resolution() -> Vec<usize> {
+        vec![512]
+    }
+    pub fn save_every() -> u64 {
+        250
+    }
+    pub fn keep() -> usize {
+        4
+    }
+    pub fn format() -> String {
+        "kohya".into()
+    }
+    pub fn save_dtype() -> String {
+        "bf16".into()
+    }
+}
+
+impl TrainYaml {
+    /// Reads `path` (YAML) with overrides from the process environment (see
+    /// [`TrainYaml::load_with_env`]).
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with_env(path, std::env::vars())
+    }
+
+    /// Reads `path` (YAML), then applies overrides from `env`.
+    ///
+    /// A variable `BURNLORA_<SECTION>__<KEY>` (levels separated by `__`, any case) sets
+    /// `<section>.<key>`; `BURNLORA_NAME` and `BURNLORA_OUTPUT_DIR` set the two top-level
+    /// scalars. Values are parsed as booleans, integers or floats when they look like one.
+    /// Other `BURNLORA_*` variables (such as `BURNLORA_LOG`) are not configuration keys and
+    /// are ignored; entries of `datasets` cannot be overridden.
+    pub fn load_with_env(
+        path: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        if !path.is_file() {
+            return Err(ConfigError::one(
+                path,
+                "",
+                "the configuration file does not exist",
+            ));
+        }
+        let overrides = env
+            .into_iter()
+            .filter(|(key, _)| {
+                let upper = key.to_ascii_uppercase();
+                upper.strip_prefix(ENV_PREFIX).is_some_and(|rest| {
+                    rest.contains("__") || rest == "NAME" || rest == "OUTPUT_DIR"
+                })
+            })
+            .collect();
+        let built = config::Config::builder()
+            .add_source(config::File::from(path).format(config::FileFormat::Yaml))
+            .add_source(
+                config::Environment::with_prefix(ENV_PREFIX.trim_end_matches('_'))
+                    .prefix_separator("_")
+                    .separator("__")
+                    .try_parsing(true)
+                    .source(Some(overrides)),
+            )
+            .build()
+            .map_err(|e| from_config_error(path, e))?;
+        built
+            .try_deserialize()
+            .map_err(|e| from_config_error(path, e))
+    }
+}
+
+/// Turns an error of the `config` crate into a [`ConfigError`] naming the field.
+fn from_config_error(path: &Path, error: config::ConfigError) -> ConfigError {
+    let (key, inner) = match &error {
+        config::ConfigError::Type { key, .. } => (key.clone(), error.to_string()),
+        config::ConfigError::At {
+            error: inner, key, ..
+        } => (key.clone(), inner.to_string()),
+        config::ConfigError::NotFound(key) => {
+            return ConfigError::one(path, normalize_key(key), "missing; this key is required");
+        }
+        _ => (None, error.to_string()),
+    };
+    let key = normalize_key(&key.unwrap_or_default());
+    // serde reports unknown and missing fields on the enclosing map: name the field itself.
+    let named = ["unknown field `", "missing field `"]
+        .iter()
+        .find_map(|start| inner.strip_prefix(start))
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(name, _)| join(&key, name));
+    let message = strip_location(&inner);
+    ConfigError::one(path, named.unwrap_or(key), message)
+}
+
+/// Writes a key of the `config` crate as a dotted path: `datasets[0]resolution` (as it joins
+/// list indices) becomes `datasets[0].resolution`.
+fn normalize_key(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 4);
+    let mut after_index = false;
+    for c in key.chars() {
+        if after_index && c != '.' && c != '[' {
+            out.push('.');
+        }
+        after_index = c == ']';
+        out.push(c);
+    }
+    out.replace(".[", "[")
+}
+
+/// Drops the ` for key ...` / ` in ...` suffixes that the `config` crate appends: the field
+/// and file are reported separately.
+fn strip_location(message: &str) -> String {
+    let cut = [" for key `", " in "]
+        .iter()
+        .filter_map(|s| message.find(s))
+        .min()
+        .unwrap_or(message.len());
+    message[..cut].to_string()
+}
+
+fn join(parent: &str, name: &str) -> String {
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}.{name}")
+    }
+}
+
+/// The adapter, validated.
+#[derive(Clone, Debug)]
+pub struct NetworkPlan {
+    /// LoRA or LoKr.
+    pub kind: AdapterKind,
+    /// Which layers get which adapter (patterns, ranks, alphas, dropout).
+    pub lora: LoraPlan,
+}
+
+/// Architecture of the base model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// FLUX.1 dev / schnell.
+    Flux1,
+}
+
+/// Where the base model comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A small model with random weights, built in memory.
+    Tiny,
+    /// A diffusers folder or a single checkpoint file (absolute).
+    Path(PathBuf),
+}
+
+/// The base model, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelPlan {
+    /// Architecture.
+    pub arch: Arch,
+    /// Weights.
+    pub source: ModelSource,
+    /// Compute dtype of the base (`BF16` or `F32`).
+    pub dtype: DType,
+    /// FP8 format of the frozen weights on the bus; `None` sends them in `dtype`.
+    pub wire: Option<Fp8Format>,
+    /// Device memory for resident weights in bytes; `None`: every weight resident.
+    pub vram_budget_bytes: Option<u64>,
+    /// Device buffers in the prefetch ring (≥ 2).
+    pub ring_slots: usize,
+}
+
+/// The optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    /// AdamW with f32 moments.
+    AdamW,
+    /// AdamW with block-wise 8-bit moments.
+    AdamW8bit,
+}
+
+/// Shape of the learning-rate curve after warm-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchedulerKind {
+    /// The peak rate throughout.
+    Constant,
+    /// Linear decay from the peak to 0 at the last step.
+    Linear,
+    /// Half-cosine decay from the peak to 0 at the last step.
+    Cosine,
+}
+
+/// How σ (the flow-matching time) is drawn for each sample.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TimestepSampling {
+    /// Uniform in [0, 1).
+    Uniform,
+    /// Logit-normal: `σ = sigmoid(n)`, `n ~ N(0, 1)` (ai-toolkit's `sigmoid`, SD3's
+    /// `logit_normal`).
+    LogitNormal,
+    /// Uniform `u` shifted towards noise: `σ = s·u / (1 + (s − 1)·u)` with shift `s`.
+    Shift(f64),
+}
+
+impl TimestepSampling {
+    /// Draws one σ in [0, 1] from `rng`.
+    pub fn sample(self, rng: &mut Rng) -> f64 {
+        match self {
+            Self::Uniform => rng.uniform(),
+            Self::LogitNormal => 1.0 / (1.0 + (-rng.normal()).exp()),
+            Self::Shift(s) => {
+                let u = rng.uniform();
+                s * u / (1.0 + (s - 1.0) * u)
+            }
+        }
+    }
+}
+
+/// The optimisation, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSettings {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Samples per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// The optimizer.
+    pub optimizer: OptimizerKind,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Learning-rate curve after warm-up.
+    pub lr_scheduler: SchedulerKind,
+    /// Steps of linear warm-up.
+    pub lr_warmup_steps: u64,
+    /// Global-norm clipping threshold; `None`: no clipping.
+    pub max_grad_norm: Option<f64>,
+    /// Block-level gradient checkpointing.
+    pub gradient_checkpointing: bool,
+    /// σ sampling.
+    pub timestep: TimestepSampling,
+    /// Guidance value for guidance-distilled models.
+    pub guidance_scale: f64,
+    /// Consecutive non-finite losses that stop the run.
+    pub max_nan_steps: usize,
+    /// Seed of every random choice.
+    pub seed: u64,
+}
+
+/// One image folder, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DatasetPlan {
+    /// The folder (absolute).
+    pub folder: PathBuf,
+    /// Caption file extension, without the dot.
+    pub caption_ext: String,
+    /// Bucket resolutions, multiples of 16, in the order given.
+    pub resolutions: Vec<usize>,
+    /// Times each image is seen per epoch.
+    pub repeats: usize,
+    /// Probability of an empty caption.
+    pub caption_dropout: f64,
+    /// Cache latents and embeddings beside the images.
+    pub cache_to_disk: bool,
+}
+
+/// Checkpointing, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavePlan {
+    /// Steps between checkpoints.
+    pub every: u64,
+    /// Checkpoints kept.
+    pub keep: usize,
+    /// LoRA file naming.
+    pub format: Format,
+    /// dtype of saved LoRA weights (`BF16`, `F16` or `F32`).
+    pub dtype: DType,
+}
+
+/// Logging, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoggingPlan {
+    /// Steps between log lines and loss CSV rows.
+    pub every: u64,
+    /// Show a progress bar.
+    pub progress_bar: bool,
+}
+
+/// A validated configuration: typed values, absolute paths.
+#[derive(Clone, Debug)]
+pub struct TrainPlan {
+    /// The configuration file it came from.
+    pub file: PathBuf,
+    /// Name of the run.
+    pub name: String,
+    /// Folder holding run folders (absolute).
+    pub output_dir: PathBuf,
+    /// The adapter.
+    pub network: NetworkPlan,
+    /// The base model.
+    pub model: ModelPlan,
+    /// The optimisation.
+    pub train: TrainSettings,
+    /// The image folders.
+    pub datasets: Vec<DatasetPlan>,
+    /// Checkpointing.
+    pub save: SavePlan,
+    /// Logging.
+    pub logging: LoggingPlan,
+    /// The configuration as read (after environment overrides), for file metadata.
+    pub source: TrainYaml,
+}
+
+/// Collects the problems of one configuration.
+struct Checker {
+    problems: Vec<FieldProblem>,
+}
+
+impl Checker {
+    fn fail(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(FieldProblem {
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+
+    /// `value` when `ok`, else a problem and `None`.
+    fn require<T>(&mut self, ok: bool, value: T, field: &str, allowed: &str) -> Option<T>
+    where
+        T: fmt::Debug,
+    {
+        if !ok {
+            self.fail(field, format!("{value:?} is not allowed; {allowed}"));
+            return None;
+        }
+        Some(value)
+    }
+
+    /// The choice that `word` names (case-insensitive), or a problem listing the choices.
+    fn choose<T: Copy>(&mut self, field: &str, word: &str, choices: &[(&str, T)]) -> Option<T> {
+        let found = choices
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(word.trim()));
+        if found.is_none() {
+            let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+            self.fail(
+                field,
+                format!(
+                    "`{word}` is not allowed; expected one of: {}",
+                    names.join(", ")
+                ),
+            );
+        }
+        found.map(|(_, v)| *v)
+    }
+
+    fn positive(&mut self, field: &str, value: f64) -> Option<f64> {
+        self.require(
+            value.is_finite() && value > 0.0,
+            value,
+            field,
+            "expected a finite number > 0",
+        )
+    }
+
+    fn at_least<T: PartialOrd + fmt::Debug + fmt::Display + Copy>(
+        &mut self,
+        field: &str,
+        value: T,
+        min: T,
+    ) -> Option<T> {
+        let allowed = format!("expected at least {min}");
+        self.require(value >= min, value, field, &allowed)
+    }
+
+    fn unit_interval(&mut self, field: &str, value: f64, open_top: bool) -> Option<f64> {
+        let ok = value.is_finite() && value >= 0.0 && (value < 1.0 || !open_top && value == 1.0);
+        let allowed = if open_top {
+            "expected a number in [0, 1)"
+        } else {
+            "expected a number in [0, 1]"
+        };
+        self.require(ok, value, field, allowed)
+    }
+}
+
+const DTYPES: &[(&str, DType)] = &[
+    ("bf16", DType::BF16),
+    ("bfloat16", DType::BF16),
+    ("f16", DType::F16),
+    ("fp16", DType::F16),
+    ("float16", DType::F16),
+    ("f32", DType::F32),
+    ("fp32", DType::F32),
+    ("float32", DType::F32),
+];
+
+impl TrainPlan {
+    /// Reads and validates `path` with environment overrides from the process environment.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::from_yaml(path, TrainYaml::load(path)?)
+    }
+
+    /// Validates `yaml`, read from `file` (relative paths are resolved against its folder).
+    /// Every problem is reported, each with its field.
+    pub fn from_yaml(file: &Path, yaml: TrainYaml) -> Result<Self, ConfigError> {
+        let base = std::path::absolute(file)
+            .ok()
+            .and_then(|f| f.parent().map(Path::to_path_buf))
+            .unwrap_or_default();
+        let resolve = |p: &Path| {
+            if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                base.join(p)
+            }
+        };
+        let mut c = Checker {
+            problems: Vec::new(),
+        };
+
+        let name_ok = !yaml.name.is_empty()
+            && yaml
+                .name
+                .chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || "._-".contains(ch))
+            && !yaml.name.starts_with('.');
+        c.require(
+            name_ok,
+            &yaml.name,
+            "name",
+            "expected letters, digits, `.`, `_` or `-` (it names files), not starting with `.`",
+        );
+
+        let network = check_network(&mut c, &yaml.network);
+        let model = check_model(&mut c, &yaml.model, &resolve);
+        let train = check_train(&mut c, &yaml.train);
+        if yaml.datasets.is_empty() {
+            c.fail("datasets", "expected at least one dataset folder");
+        }
+        let datasets: Vec<Option<DatasetPlan>> = yaml
+            .datasets
+            .iter()
+            .enumerate()
+            .map(|(i, d)| check_dataset(&mut c, i, d, &resolve))
+            .collect();
+        let save = check_save(&mut c, &yaml.save);
+        let every = c.at_least("logging.log_every", yaml.logging.log_every, 1);
+
+        match (network, model, train, save, every) {
+            (Some(network), Some(model), Some(train), Some(save), Some(every))
+                if c.problems.is_empty() =>
+            {
+                Ok(Self {
+                    file: file.to_path_buf(),
+                    name: yaml.name.clone(),
+                    output_dir: resolve(&yaml.output_dir),
+                    network,
+                    model,
+                    train,
+                    datasets: datasets.into_iter().flatten().collect(),
+                    save,
+                    logging: LoggingPlan {
+                        every,
+                        progress_bar: yaml.logging.progress_bar,
+                    },
+                    source: yaml,
+                })
+            }
+            _ => Err(ConfigError {
+                file: file.to_path_buf(),
+                problems: c.problems,
+            }),
+        }
+    }
+
+    /// The run folder: `<output_dir>/<name>`.
+    pub fn run_dir(&self) -> PathBuf {
+        self.output_dir.join(&self.name)
+    }
+
+    /// The configuration as JSON (for LoRA file metadata and the training state).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(&self.source).expect("the configuration serializes to JSON")
+    }
+
+    /// A fingerprint (16 hex digits) of every setting that shapes the training trajectory:
+    /// everything except `train.steps`, `save` and `logging`, which may change between a run
+    /// and its resumption.
+    pub fn resume_fingerprint(&self) -> String {
+        let mut shaping = self.source.clone();
+        shaping.train.steps = 0;
+        shaping.save = defaults::section();
+        shaping.logging = defaults::section();
+        let json = serde_json::to_string(&shaping).expect("the configuration serializes to JSON");
+        format!("{:016x}", fnv1a64(json.as_bytes()))
+    }
+}
+
+/// FNV-1a, 64 bits: a small, stable hash (not for security).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn check_network(c: &mut Checker, n: &NetworkYaml) -> Option<NetworkPlan> {
+    let kind = c.choose(
+        "network.type",
+        &n.kind,
+        &[("lora", AdapterKind::Lora), ("lokr", AdapterKind::Lokr)],
+    );
+    let rank = c.at_least("network.linear", n.linear, 1);
+    let alpha = match n.linear_alpha {
+        Some(a) => c.positive("network.linear_alpha", a).map(Some),
+        None => Some(None),
+    };
+    let conv_alpha = match n.conv_alpha {
+        Some(a) => c.positive("network.conv_alpha", a).map(Some),
+        None => Some(None),
+    };
+    let dropout = c.unit_interval("network.dropout", n.dropout, true);
+    let factor = match n.lokr_factor {
+        Some(f) => c.at_least("network.lokr_factor", f, 1).map(Some),
+        None => Some(None),
+    };
+    let mut patterns_ok = true;
+    for (list, patterns) in [("include", &n.include), ("exclude", &n.exclude)] {
+        for (i, pattern) in patterns.iter().enumerate() {
+            if let Err(e) = regex::Regex::new(pattern) {
+                c.fail(
+                    format!("network.{list}[{i}]"),
+                    format!("`{pattern}` is not a valid regular expression: {e}"),
+                );
+                patterns_ok = false;
+            }
+        }
+    }
+    let (kind, rank, alpha, conv_alpha, dropout, factor) =
+        (kind?, rank?, alpha?, conv_alpha?, dropout?, factor?);
+    if !patterns_ok {
+        return None;
+    }
+    let adapter = |rank: usize, alpha: Option<f64>| -> AdapterConfig {
+        match kind {
+            AdapterKind::Lora => LoraConfig::new(rank)
+                .with_alpha(alpha)
+                .with_dropout(dropout)
+                .into(),
+            AdapterKind::Lokr => LokrConfig::new(rank)
+                .with_alpha(alpha)
+                .with_factor(factor)
+                .with_decompose_w2(!n.lokr_full_rank)
+                .with_dropout(dropout)
+                .into(),
+        }
+    };
+    let mut plan = LoraPlan::new(adapter(rank, alpha)).expect("validated above");
+    if n.conv > 0 {
+        plan = plan
+            .with_conv(adapter(n.conv, conv_alpha))
+            .expect("validated above");
+    }
+    for p in &n.include {
+        plan = plan.include(p).expect("validated above");
+    }
+    for p in &n.exclude {
+        plan = plan.exclude(p).expect("validated above");
+    }
+    Some(NetworkPlan { kind, lora: plan })
+}
+
+fn check_model(
+    c: &mut Checker,
+    m: &ModelYaml,
+    resolve: &dyn Fn(&Path) -> PathBuf,
+) -> Option<ModelPlan> {
+    let arch = c.choose("model.arch", &m.arch, &[("flux1", Arch::Flux1)]);
+    let source = if m.path.as_os_str() == "tiny" {
+        Some(ModelSource::Tiny)
+    } else {
+        let path = resolve(&m.path);
+        if path.exists() {
+            Some(ModelSource::Path(path))
+        } else {
+            c.fail(
+                "model.path",
+                format!(
+                    "{} does not exist; expected a diffusers folder, a checkpoint file, or `tiny`",
+                    path.display()
+                ),
+            );
+            None
+        }
+    };
+    let dtype = c.choose(
+        "model.dtype",
+        &m.dtype,
+        &[
+            ("bf16", DType::BF16),
+            ("bfloat16", DType::BF16),
+            ("f32", DType::F32),
+            ("fp32", DType::F32),
+            ("float32", DType::F32),
+        ],
+    );
+    let wire = c.choose(
+        "model.quantize",
+        &m.quantize,
+        &[
+            ("none", None),
+            ("e5m2", Some(Fp8Format::E5M2)),
+            ("e4m3", Some(Fp8Format::E4M3)),
+        ],
+    );
+    let budget = match m.offload.vram_budget_gb {
+        Some(gb) => c
+            .positive("model.offload.vram_budget_gb", gb)
+            .map(|gb| Some((gb * 1e9).round() as u64)),
+        None => Some(None),
+    };
+    let slots = c.at_least("model.offload.ring_slots", m.offload.ring_slots, 2);
+    Some(ModelPlan {
+        arch: arch?,
+        source: source?,
+        dtype: dtype?,
+        wire: wire?,
+        vram_budget_bytes: budget?,
+        ring_slots: slots?,
+    })
+}
+
+fn check_train(c: &mut Checker, t: &TrainSectionYaml) -> Option<TrainSettings> {
+    let steps = c.at_least("train.steps", t.steps, 1);
+    let batch = c.at_least("train.batch_size", t.batch_size, 1);
+    let accumulation = c.at_least(
+        "train.gradient_accumulation_steps",
+        t.gradient_accumulation_steps,
+        1,
+    );
+    let lr = c.positive("train.lr", t.lr);
+    let optimizer = c.choose(
+        "train.optimizer",
+        &t.optimizer,
+        &[
+            ("adamw", OptimizerKind::AdamW),
+            ("adamw8bit", OptimizerKind::AdamW8bit),
+        ],
+    );
+    let decay = c.require(
+        t.weight_decay.is_finite() && t.weight_decay >= 0.0,
+        t.weight_decay,
+        "train.weight_decay",
+        "expected a finite number ≥ 0",
+    );
+    let scheduler = c.choose(
+        "train.lr_scheduler",
+        &t.lr_scheduler,
+        &[
+            ("constant", SchedulerKind::Constant),
+            ("linear", SchedulerKind::Linear),
+            ("cosine", SchedulerKind::Cosine),
+        ],
+    );
+    let warmup = c.require(
+        t.lr_warmup_steps <= t.steps,
+        t.lr_warmup_steps,
+        "train.lr_warmup_steps",
+        &format!("expected at most train.steps ({})", t.steps),
+    );
+    let clip = c
+        .require(
+            t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0,
+            t.max_grad_norm,
+            "train.max_grad_norm",
+            "expected a finite number ≥ 0 (0 turns clipping off)",
+        )
+        .map(|n| (n > 0.0).then_some(n));
+    let shift = c.positive("train.timestep_shift", t.timestep_shift);
+    let timestep = c.choose(
+        "train.timestep_type",
+        &t.timestep_type,
+        &[
+            ("uniform", TimestepSampling::Uniform),
+            ("sigmoid", TimestepSampling::LogitNormal),
+            ("logit_normal", TimestepSampling::LogitNormal),
+            ("logit-normal", TimestepSampling::LogitNormal),
+            ("shift", TimestepSampling::Shift(0.0)),
+        ],
+    );
+    let guidance = c.require(
+        t.guidance_scale.is_finite() && t.guidance_scale >= 0.0,
+        t.guidance_scale,
+        "train.guidance_scale",
+        "expected a finite number ≥ 0",
+    );
+    let max_nan = c.at_least("train.max_nan_steps", t.max_nan_steps, 1);
+    let timestep = match timestep? {
+        TimestepSampling::Shift(_) => TimestepSampling::Shift(shift?),
+        other => other,
+    };
+    Some(TrainSettings {
+        steps: steps?,
+        batch_size: batch?,
+        gradient_accumulation_steps: accumulation?,
+        lr: lr?,
+        optimizer: optimizer?,
+        weight_decay: decay?,
+        lr_scheduler: scheduler?,
+        lr_warmup_steps: warmup?,
+        max_grad_norm: clip?,
+        gradient_checkpointing: t.gradient_checkpointing,
+        timestep,
+        guidance_scale: guidance?,
+        max_nan_steps: max_nan?,
+        seed: t.seed,
+    })
+}
+
+fn check_dataset(
+    c: &mut Checker,
+    index: usize,
+    d: &DatasetYaml,
+    resolve: &dyn Fn(&Path) -> PathBuf,
+) -> Option<DatasetPlan> {
+    let field = |name: &str| format!("datasets[{index}].{name}");
+    let folder = resolve(&d.folder_path);
+    let folder_ok = folder.is_dir();
+    if !folder_ok {
+        c.fail(
+            field("folder_path"),
+            format!("{} is not a folder", folder.display()),
+        );
+    }
+    let ext = d.caption_ext.trim_start_matches('.').to_string();
+    let ext_ok = !ext.is_empty() && !ext.contains(['/', '\\']);
+    if !ext_ok {
+        c.fail(
+            field("caption_ext"),
+            format!("`{}` is not a file extension", d.caption_ext),
+        );
+    }
+    let mut resolutions_ok = !d.resolution.is_empty();
+    if d.resolution.is_empty() {
+        c.fail(field("resolution"), "expected at least one resolution");
+    }
+    for &r in &d.resolution {
+        if r == 0 || r % 16 != 0 {
+            c.fail(
+                field("resolution"),
+                format!(
+                    "{r} is not allowed; expected positive multiples of 16 (512, 768, 1024, …)"
+                ),
+            );
+            resolutions_ok = false;
+        }
+    }
+    let repeats = c.at_least(&field("num_repeats"), d.num_repeats, 1);
+    let dropout = c.unit_interval(
+        &field("caption_dropout_rate"),
+        d.caption_dropout_rate,
+        false,
+    );
+    if !(folder_ok && ext_ok && resolutions_ok) {
+        return None;
+    }
+    Some(DatasetPlan {
+        folder,
+        caption_ext: ext,
+        resolutions: d.resolution.clone(),
+        repeats: repeats?,
+        caption_dropout: dropout?,
+        cache_to_disk: d.cache_latents_to_disk,
+    })
+}
+
+fn check_save(c: &mut Checker, s: &SaveYaml) -> Option<SavePlan> {
+    let every = c.at_least("save.save_every", s.save_every, 1);
+    let keep = c.at_least("save.max_step_saves_to_keep", s.max_step_saves_to_keep, 1);
+    let format = c.choose(
+        "save.format",
+        &s.format,
+        &[("kohya", Format::Kohya), ("peft", Format::Peft)],
+    );
+    let dtype = c.choose("save.dtype", &s.dtype, DTYPES);
+    Some(SavePlan {
+        every: every?,
+        keep: keep?,
+        format: format?,
+        dtype: dtype?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, yaml: &str) -> PathBuf {
+        std::fs::create_dir_all(dir.join("images")).unwrap();
+        let path = dir.join("train.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        path
+    }
+
+    const MINIMAL: &str = "name: run\nnetwork: {linear: 16}\nmodel: {arch: flux1, path: tiny}\n\
+                           datasets:\n  - folder_path: images\n";
+
+    #[test]
+    fn minimal_file_takes_documented_defaults_and_resolves_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), MINIMAL);
+        let plan =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap();
+        assert_eq!(plan.train.steps, 1000);
+        assert_eq!(plan.train.optimizer, OptimizerKind::AdamW8bit);
+        assert_eq!(plan.train.timestep, TimestepSampling::LogitNormal);
+        assert_eq!(plan.train.max_grad_norm, Some(1.0));
+        assert_eq!(plan.save.format, Format::Kohya);
+        assert_eq!(plan.save.dtype, DType::BF16);
+        assert_eq!(plan.model.source, ModelSource::Tiny);
+        assert_eq!(plan.model.wire, None);
+        assert!(plan.datasets[0].folder.is_absolute());
+        assert!(plan.datasets[0].folder.ends_with("images"));
+        assert_eq!(plan.datasets[0].resolutions, vec![512]);
+        assert!(plan.run_dir().ends_with("output/run"));
+        let lora = plan.network.lora.config_for("blocks.0.attn.qkv", false);
+        assert_eq!(lora, Some(LoraConfig::new(16).into()));
+    }
+
+    #[test]
+    fn fingerprint_ignores_steps_but_not_the_learning_rate() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), MINIMAL);
+        let plan = |env: &[(&str, &str)]| {
+            let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, env).unwrap()).unwrap()
+        };
+        let base = plan(&[]).resume_fingerprint();
+        assert_eq!(
+            base,
+            plan(&[("BURNLORA_TRAIN__STEPS", "5000")]).resume_fingerprint()
+        );
+        assert_ne!(
+            base,
+            plan(&[("BURNLORA_TRAIN__LR", "0.001")]).resume_fingerprint()
+        );
+    }
+
+    #[test]
+    fn config_keys_become_dotted_paths() {
+        assert_eq!(
+            normalize_key("datasets[0]resolution"),
+            "datasets[0].resolution"
+        );
+        assert_eq!(
+            normalize_key("datasets.[1].folder_path"),
+            "datasets[1].folder_path"
+        );
+        assert_eq!(normalize_key("train.steps"), "train.steps");
+        assert_eq!(normalize_key("datasets[0]"), "datasets[0]");
+    }
+
+    #[test]
+    fn fnv1a64_matches_the_published_test_vectors() {
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+}

@@ -2,24 +2,8 @@
 //! recompute the block, with autodiff, during the backward pass.
 //!
 //! Burn's own checkpointing recomputes only element-wise operations; matmul inputs and attention
-//! scores are always kept. Here a whole transformer block is the unit. A model routes its blocks
-//! through a [`BlockRunner`]:
-//!
-//! - [`Direct`] runs them in place (inference, or training with every activation kept);
-//! - [`BlockTape`] (on `Autodiff<B, C>`) runs each block without building a graph, records its
-//!   inputs, and hands out fresh leaves as outputs. [`BlockTape::backward`] then computes the
-//!   gradient of the loss: first through the part of the graph after the last block, then
-//!   through each block in reverse (recomputed from its recorded inputs, one small graph at a
-//!   time), then through the part before the first block.
-//!
-//! The result is the same `Gradients` that `loss.backward()` returns, so
-//! `GradientsParams::from_grads` and the optimizers work unchanged.
-//!
-//! Rules for a model: every tracked tensor that blocks read goes through
-//! [`BlockRunner::input`] first, and the returned tensor replaces it everywhere after (blocks
-//! and the rest of the forward pass); tensors flow from block to block only through
-//! [`BlockRunner::run`]'s inputs and outputs; a block closure may capture constants (untracked
-//! tensors, such as rotary tables) but no tracked tensor.
+//! scores are always kept. Here a whole transformer block is the unit: a model routes its blocks
+//! through a [`BlockRunner`], either [`Direct`] (in place) or [`BlockTape`] (recomputed).
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -120,9 +104,47 @@ impl<B: Backend> BlockRunner<B> for Direct {
 /// The primitive of a tensor on `Autodiff<B, C>` (the strategy does not change its type).
 type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
 
-/// Records block inputs during a training forward pass and replays the blocks in
-/// [`BlockTape::backward`]. With [`Checkpointing::Off`] it records nothing and blocks run in the
-/// ordinary autodiff graph.
+/// Block-level gradient checkpointing on `Autodiff<B, C>`: records block inputs during a
+/// training forward pass and replays the blocks in [`BlockTape::backward`]. With
+/// [`Checkpointing::Off`] it records nothing and blocks run in the ordinary autodiff graph.
+///
+/// Each block runs without a graph (its parameters detached); its outputs are handed out as
+/// fresh leaves. `backward` then runs several small backward passes: through the graph after
+/// the last block, through each block recomputed from its recorded inputs (in reverse), and
+/// through the graph before the first block, accumulating everything into one `Gradients`
+/// (the same values `loss.backward()` gives without checkpointing). The passes are sequential
+/// because Burn 0.21 holds the graph's lock while a backward pass runs, so a block cannot be
+/// recomputed from inside another backward pass.
+///
+/// Rules for a model: every tracked tensor that blocks read goes through
+/// [`BlockRunner::input`] first, and the returned tensor replaces it everywhere after (blocks
+/// and the rest of the forward pass); tensors flow from block to block only through
+/// [`BlockRunner::run`]'s inputs and outputs; a block closure may capture constants (untracked
+/// tensors, such as rotary tables) but no tracked tensor. `run` panics when a tracked tensor
+/// arrives by another way.
+///
+/// ```
+/// use burn::backend::{Autodiff, Flex};
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::optim::GradientsParams;
+/// use burn::tensor::Tensor;
+/// use burn_diffusion::{BlockRunner, BlockTape, Checkpointing};
+///
+/// type B = Autodiff<Flex>;
+/// let device = Default::default();
+/// let blocks: Vec<Linear<B>> = (0..4).map(|_| LinearConfig::new(8, 8).init(&device)).collect();
+/// let x = Tensor::<B, 2>::ones([2, 8], &device);
+///
+/// let mut tape = BlockTape::new(Checkpointing::Blocks);
+/// let mut h = tape.input(x);
+/// for block in &blocks {
+///     h = tape.run(block, h, |block, h| block.forward(h).tanh());
+/// }
+/// let loss = h.sum();
+/// let grads = tape.backward(&loss, &blocks);
+/// // A weight and a bias per block.
+/// assert_eq!(GradientsParams::from_grads(grads, &blocks).len(), 8);
+/// ```
 pub struct BlockTape<B: Backend, C: CheckpointStrategy> {
     checkpointing: Checkpointing,
     slots: Vec<Slot<B, C>>,
@@ -232,10 +254,11 @@ impl<B: Backend, C: CheckpointStrategy> BlockTape<B, C> {
         self.checkpointing
     }
 
-    /// Gradients of `loss` with respect to every tracked tensor the forward pass used, as
-    /// `loss.backward()` gives them without checkpointing. `model` is the module whose
-    /// parameters produced the tensors declared with [`BlockRunner::input`] (typically the whole
-    /// model).
+    /// Gradients of `loss` with respect to the parameters, as `loss.backward()` gives them
+    /// without checkpointing: those of the graph after the last block, of every recorded block,
+    /// and of `model` (typically the whole model, whose parameters produced the tensors
+    /// declared with [`BlockRunner::input`]). Tracked tensors that are not parameters get a
+    /// gradient only if the graph after the last block reads them.
     pub fn backward<M: Module<Autodiff<B, C>>>(
         mut self,
         loss: &Tensor<Autodiff<B, C>, 1>,
@@ -376,6 +399,8 @@ impl<B: Backend, C: CheckpointStrategy> BlockRunner<Autodiff<B, C>> for BlockTap
                 untracked.push(t);
             }
         }
+        // A clone of a lazily initialized parameter would initialize on its own, to other values.
+        initialize(block);
         let frozen = block.clone().no_grad();
         let mut outputs = Vec::new();
         forward(&frozen, I::from_primitives(&mut untracked.into_iter()))
@@ -405,6 +430,17 @@ impl<B: Backend, C: CheckpointStrategy> BlockRunner<Autodiff<B, C>> for BlockTap
         });
         O::from_primitives(&mut leaves.into_iter())
     }
+}
+
+/// Creates every lazily initialized parameter of `module` now, so that its clones share them.
+fn initialize<B: Backend, M: Module<B>>(module: &M) {
+    struct Initialize;
+    impl<B: Backend> ModuleVisitor<B> for Initialize {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            param.val();
+        }
+    }
+    module.visit(&mut Initialize);
 }
 
 /// A fresh leaf that requires a gradient, holding `value`.
@@ -513,19 +549,19 @@ mod tests {
     #[test]
     fn recomputed_blocks_give_the_same_gradients() {
         let device = Default::default();
+        // Fresh (lazily initialized) parameters: the tape runs first.
         let model = Toy::<Ad>::new(&device);
         let input = Tensor::<Ad, 2>::random([4, 6], Distribution::Normal(0.0, 1.0), &device);
 
-        let direct = model.loss(input.clone(), &mut Direct);
-        let direct_value = direct.to_data();
-        let expected = GradientsParams::from_grads(direct.backward(), &model);
-
         let mut tape = BlockTape::new(Checkpointing::Blocks);
-        let loss = model.loss(input, &mut tape);
+        let loss = model.loss(input.clone(), &mut tape);
         let grads = GradientsParams::from_grads(tape.backward(&loss, &model), &model);
 
+        let direct = model.loss(input, &mut Direct);
         loss.to_data()
-            .assert_approx_eq::<f32>(&direct_value, burn::tensor::Tolerance::relative(1e-6));
+            .assert_approx_eq::<f32>(&direct.to_data(), burn::tensor::Tolerance::relative(1e-6));
+        let expected = GradientsParams::from_grads(direct.backward(), &model);
+
         let (expected, actual) = (all_grads(&model, &expected), all_grads(&model, &grads));
         assert_eq!(expected.len(), 16);
         for (e, a) in expected.iter().zip(&actual) {

@@ -218,15 +218,14 @@ impl RunDir {
             let views = tensors
                 .iter()
                 .map(|(k, d)| {
-                    let view = TensorView::new(
-                        to_safetensors_dtype(d.dtype),
-                        d.shape.to_vec(),
-                        d.as_bytes(),
-                    )
-                    .map_err(|e| CheckpointError::Invalid {
+                    let invalid = |reason: String| CheckpointError::Invalid {
                         path: state_path.clone(),
-                        reason: format!("tensor `{k}`: {e}"),
-                    })?;
+                        reason: format!("tensor `{k}`: {reason}"),
+                    };
+                    let dtype = to_safetensors_dtype(d.dtype)
+                        .ok_or_else(|| invalid(format!("dtype {:?} cannot be saved", d.dtype)))?;
+                    let view = TensorView::new(dtype, d.shape.to_vec(), d.as_bytes())
+                        .map_err(|e| invalid(e.to_string()))?;
                     Ok((*k, view))
                 })
                 .collect::<Result<Vec<_>, CheckpointError>>()?;
@@ -420,8 +419,8 @@ fn tensors_crc<'a>(tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
     hasher.finalize()
 }
 
-fn to_safetensors_dtype(dtype: DType) -> Dtype {
-    match dtype {
+fn to_safetensors_dtype(dtype: DType) -> Option<Dtype> {
+    Some(match dtype {
         DType::F64 => Dtype::F64,
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
@@ -434,8 +433,8 @@ fn to_safetensors_dtype(dtype: DType) -> Dtype {
         DType::U32 => Dtype::U32,
         DType::U16 => Dtype::U16,
         DType::U8 => Dtype::U8,
-        other => panic!("optimizer state tensors are never {other:?}"),
-    }
+        _ => return None,
+    })
 }
 
 fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {

@@ -67,7 +67,9 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ 
     }
 }
 
-/// Everything needed to continue a run exactly where a checkpoint left it.
+/// Everything needed to continue a run exactly where a checkpoint left it. The learning rate
+/// is a function of `step` ([`crate::optim::LrSchedule::lr`]), so the schedule needs nothing
+/// more.
 #[derive(Clone, Debug)]
 pub struct TrainingState {
     /// Optimizer steps completed.

@@ -10,10 +10,15 @@
 //! - An epoch shows each item `repeats` times. Its order is a function of the seed and the epoch
 //!   number alone, so a [`DataPosition`] (epoch, batch) is all that resuming needs. Batches hold
 //!   items of one bucket; the last batch of a bucket in an epoch may be smaller.
+//! - Scanning reads image headers only (size and EXIF orientation); [`Item::load_pixels`]
+//!   decodes, resizes and crops through burn-diffusion's `load_image`, the same code the VAE
+//!   parity fixtures check.
 
 use std::path::{Path, PathBuf};
 
-use image::{DynamicImage, ImageDecoder, ImageReader, metadata::Orientation};
+use burn::tensor::TensorData;
+use burn_diffusion::pipeline::load_image;
+use image::{ImageDecoder, ImageReader, metadata::Orientation};
 use serde::{Deserialize, Serialize};
 
 use crate::config::DatasetPlan;
@@ -40,14 +45,17 @@ pub enum DatasetError {
         /// The cause.
         source: std::io::Error,
     },
-    /// An image could not be decoded.
-    #[error("decoding image {path}")]
+    /// An image header could not be read.
+    #[error("reading the header of image {path}")]
     Image {
         /// The image file.
         path: PathBuf,
         /// The cause.
         source: image::ImageError,
     },
+    /// An image could not be loaded (the error names the file).
+    #[error(transparent)]
+    Load(burn_diffusion::LoadError),
     /// A dataset folder holds no image.
     #[error("{folder} holds no image (expected files ending in .png, .jpg, .jpeg or .webp)")]
     Empty {
@@ -136,37 +144,12 @@ pub struct Item {
 }
 
 impl Item {
-    /// The image, oriented by its EXIF tag, center-cropped to the bucket's aspect ratio and
-    /// resized to the bucket (Lanczos3), as RGB values in [-1, 1], channel-major
-    /// (`[3, height, width]`).
-    pub fn load_pixels(&self) -> Result<Vec<f32>, DatasetError> {
-        let image = decode(&self.image)?;
-        Ok(to_bucket(&image, self.bucket))
+    /// The image as VAE input: oriented by its EXIF tag, resized to cover the bucket,
+    /// center-cropped to it, RGB in [-1, 1], shape `[3, height, width]`
+    /// ([`burn_diffusion::pipeline::load_image`]).
+    pub fn load_pixels(&self) -> Result<TensorData, DatasetError> {
+        load_image(&self.image, self.bucket.width, self.bucket.height).map_err(DatasetError::Load)
     }
-}
-
-/// Decodes an image and applies its EXIF orientation.
-fn decode(path: &Path) -> Result<DynamicImage, DatasetError> {
-    let image_error = |source| DatasetError::Image {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut decoder = ImageReader::open(path)
-        .map_err(|source| DatasetError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .with_guessed_format()
-        .map_err(|source| DatasetError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .into_decoder()
-        .map_err(image_error)?;
-    let orientation = decoder.orientation().map_err(image_error)?;
-    let mut image = DynamicImage::from_decoder(decoder).map_err(image_error)?;
-    image.apply_orientation(orientation);
-    Ok(image)
 }
 
 /// Width and height after EXIF orientation, read from the header only.
@@ -194,35 +177,6 @@ fn oriented_size(path: &Path) -> Result<(u32, u32), DatasetError> {
             | Orientation::Rotate270FlipH
     );
     Ok(if swapped { (h, w) } else { (w, h) })
-}
-
-/// Center crop to the bucket's aspect ratio, resize to the bucket, map to [-1, 1], CHW.
-fn to_bucket(image: &DynamicImage, bucket: Bucket) -> Vec<f32> {
-    let (w, h) = (image.width() as f64, image.height() as f64);
-    let scale = (bucket.width as f64 / w).max(bucket.height as f64 / h);
-    let crop_w = ((bucket.width as f64 / scale).round() as u32).clamp(1, image.width());
-    let crop_h = ((bucket.height as f64 / scale).round() as u32).clamp(1, image.height());
-    let x = (image.width() - crop_w) / 2;
-    let y = (image.height() - crop_h) / 2;
-    let cropped = image.crop_imm(x, y, crop_w, crop_h).to_rgb8();
-    let resized = if (crop_w as usize, crop_h as usize) == (bucket.width, bucket.height) {
-        cropped
-    } else {
-        image::imageops::resize(
-            &cropped,
-            bucket.width as u32,
-            bucket.height as u32,
-            image::imageops::FilterType::Lanczos3,
-        )
-    };
-    let plane = bucket.width * bucket.height;
-    let mut out = vec![0f32; 3 * plane];
-    for (i, pixel) in resized.pixels().enumerate() {
-        for c in 0..3 {
-            out[c * plane + i] = f32::from(pixel[c]) / 127.5 - 1.0;
-        }
-    }
-    out
 }
 
 /// Every item of the configured datasets, with their repeats and caption dropout.
@@ -543,48 +497,6 @@ mod tests {
     }
 
     #[test]
-    fn crop_takes_the_center_and_maps_to_minus_one_one() {
-        // 48x32 into a 32x32 bucket: no resize, columns 8..40 kept.
-        let image = DynamicImage::ImageRgb8(RgbImage::from_fn(48, 32, |x, y| {
-            Rgb([(x * 5) as u8, (y * 7) as u8, 255])
-        }));
-        let out = to_bucket(
-            &image,
-            Bucket {
-                width: 32,
-                height: 32,
-            },
-        );
-        assert_eq!(out.len(), 3 * 32 * 32);
-        for y in 0..32 {
-            for x in 0..32 {
-                let i = y * 32 + x;
-                assert_eq!(out[i], ((x + 8) * 5) as f32 / 127.5 - 1.0);
-                assert_eq!(out[1024 + i], (y * 7) as f32 / 127.5 - 1.0);
-                assert_eq!(out[2048 + i], 1.0);
-            }
-        }
-    }
-
-    #[test]
-    fn resize_keeps_a_flat_image_flat() {
-        let image = DynamicImage::ImageRgb8(RgbImage::from_pixel(100, 60, Rgb([0, 51, 255])));
-        let bucket = Bucket {
-            width: 48,
-            height: 32,
-        };
-        let out = to_bucket(&image, bucket);
-        let plane = 48 * 32;
-        assert!(out[..plane].iter().all(|&v| v == -1.0));
-        assert!(
-            out[plane..2 * plane]
-                .iter()
-                .all(|&v| (v - (51.0 / 127.5 - 1.0)).abs() < 1e-6)
-        );
-        assert!(out[2 * plane..].iter().all(|&v| v == 1.0));
-    }
-
-    #[test]
     fn scan_reads_captions_and_makes_one_item_per_resolution() {
         let dir = tempfile::tempdir().unwrap();
         save_png(&dir.path().join("b.png"), 64, 32, |_, _| [0, 0, 0]);
@@ -601,6 +513,9 @@ mod tests {
             })
             .collect();
         let b = |width, height| Bucket { width, height };
+        let pixels = dataset.items()[2].load_pixels().unwrap();
+        assert_eq!(pixels.shape.to_vec(), vec![3, 16, 48]);
+        assert!(pixels.to_vec::<f32>().unwrap().iter().all(|&v| v == -1.0));
         assert_eq!(
             summary,
             vec![

@@ -123,7 +123,7 @@ fn train(run: &mut Run, dataset: &Dataset, steps: u64) {
         let mut targets = Vec::new();
         for sample in &batch.samples {
             let item = &dataset.items()[sample.item];
-            let x0 = item.load_pixels().unwrap();
+            let x0: Vec<f32> = item.load_pixels().unwrap().to_vec().unwrap();
             let caption = if sample.drop_caption {
                 ""
             } else {

@@ -38,7 +38,7 @@
 //! [`MIN_8BIT_NUMEL`] values keep f32 moments (bitsandbytes' `min_8bit_size`). State memory:
 //! 2 bytes + 8 bytes per 256 values, against 8 bytes for f32 moments.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -392,10 +392,31 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Update<'_, AB::InnerBackend> {
     }
 }
 
-/// The f32 values, dtype and device of every float parameter of an autodiff module, by path.
+/// The f32 values and dtype of the float parameters at the `wanted` paths, by path. Other
+/// parameters (the frozen base, possibly streamed from host memory) are not touched.
 struct ParamValues<B: Backend> {
     path: PathStack,
+    wanted: BTreeSet<String>,
     values: BTreeMap<String, (Tensor<B, 1>, DType)>,
+}
+
+impl<B: Backend> ParamValues<B> {
+    fn collect<AB, M>(
+        module: &M,
+        wanted: BTreeSet<String>,
+    ) -> BTreeMap<String, (Tensor<B, 1>, DType)>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut visitor = Self {
+            path: PathStack::default(),
+            wanted,
+            values: BTreeMap::new(),
+        };
+        module.visit(&mut visitor);
+        visitor.values
+    }
 }
 
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamValues<AB::InnerBackend> {
@@ -408,13 +429,15 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamValues<AB::InnerBackend> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let path = self.path.current();
+        if !self.wanted.contains(&path) {
+            return;
+        }
         let tensor = param.val().inner();
         let dtype = tensor.dtype();
         let numel = tensor.shape().num_elements();
-        self.values.insert(
-            self.path.current(),
-            (tensor.reshape([numel]).cast(FloatDType::F32), dtype),
-        );
+        self.values
+            .insert(path, (tensor.reshape([numel]).cast(FloatDType::F32), dtype));
     }
 }
 
@@ -624,11 +647,7 @@ impl<B: Backend> AdamW<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let mut params = ParamValues::<B> {
-            path: PathStack::default(),
-            values: BTreeMap::new(),
-        };
-        module.visit(&mut params);
+        let params = ParamValues::collect(module, self.slots.keys().cloned().collect());
         let mut out = Vec::new();
         for (path, slot) in &self.slots {
             for (which, moment) in [(Which::First, &slot.m), (Which::Second, &slot.v)] {
@@ -639,7 +658,6 @@ impl<B: Backend> AdamW<B> {
             let master = match &slot.master {
                 Some(master) => master.to_data(),
                 None => params
-                    .values
                     .get(path)
                     .expect("the optimizer state belongs to this module")
                     .0
@@ -663,21 +681,16 @@ impl<B: Backend> AdamW<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let mut params = ParamValues::<B> {
-            path: PathStack::default(),
-            values: BTreeMap::new(),
-        };
-        module.visit(&mut params);
         let mut tensors: BTreeMap<String, TensorData> = tensors.into_iter().collect();
         let paths: Vec<String> = tensors
             .keys()
             .filter_map(|k| k.strip_suffix(".master").map(str::to_string))
             .collect();
+        let params = ParamValues::collect(&module, paths.iter().cloned().collect());
         let mut slots = BTreeMap::new();
         let mut values = BTreeMap::new();
         for path in paths {
             let (param, dtype) = params
-                .values
                 .get(&path)
                 .ok_or_else(|| state_error(&path, "no such parameter in the model"))?;
             let numel = param.dims()[0];

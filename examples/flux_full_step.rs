@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Cuda};
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, FloatDType, IntDType, Tensor, TensorData};
@@ -194,11 +194,19 @@ fn main() {
     }
     drop(inference);
 
-    let mut model = model;
-    for linear in [&mut model.img_in, &mut model.txt_in] {
-        linear.weight = linear.weight.clone().set_require_grad(true);
-        linear.bias = linear.bias.take().map(|b| b.set_require_grad(true));
+    // The projections' base weights start frozen; train the two input projections.
+    struct Unfreeze;
+    impl ModuleMapper<Train> for Unfreeze {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<Train, D>>,
+        ) -> Param<Tensor<Train, D>> {
+            param.set_require_grad(true)
+        }
     }
+    let mut model = model;
+    model.img_in = model.img_in.map(&mut Unfreeze);
+    model.txt_in = model.txt_in.map(&mut Unfreeze);
     let mut optimizer = AdamWConfig::new().init::<Train, Flux<Train>>();
     for step in 0..args.steps {
         let (input, target) = input::<Train>(&config, &args, &device);

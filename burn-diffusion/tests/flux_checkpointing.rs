@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use burn_diffusion::flux::{Flux, FluxInput, linear_keys};
@@ -67,10 +67,24 @@ fn grads(model: &Flux<Ad>, checkpointing: Checkpointing) -> (f32, Vec<(String, V
     (value, all_grads(model, &grads))
 }
 
+/// Makes every parameter trainable (the projections' base weights start frozen, as LoRA wants).
+fn unfreeze(model: Flux<Ad>) -> Flux<Ad> {
+    struct Unfreeze;
+    impl ModuleMapper<Ad> for Unfreeze {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<Ad, D>>,
+        ) -> Param<Tensor<Ad, D>> {
+            param.set_require_grad(true)
+        }
+    }
+    model.map(&mut Unfreeze)
+}
+
 #[test]
 fn checkpointed_flux_gradients_equal_plain_backprop() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flux/guidance");
-    let model = Flux::<Ad>::load(&path, &Default::default(), FloatDType::F32).unwrap();
+    let model = unfreeze(Flux::<Ad>::load(&path, &Default::default(), FloatDType::F32).unwrap());
     // Same seed for both runs, so that the inputs are the same.
     <Ad as burn::tensor::backend::Backend>::seed(&Default::default(), 7);
     let (plain_loss, plain) = grads(&model, Checkpointing::Off);

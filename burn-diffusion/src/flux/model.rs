@@ -7,9 +7,10 @@
 // ref: huggingface/diffusers@7d2e86a85a372df75ee2ccefe84e5a44cfc60429 src/diffusers/models/transformers/transformer_flux.py
 
 use burn::module::{Module, Param};
-use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::nn::{Initializer, LinearConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn_lora::LoraLinear;
 
 use super::FluxConfig;
 use crate::blocks::{Modulation, Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedding};
@@ -24,12 +25,13 @@ const TIME_FACTOR: f64 = 1000.0;
 
 /// The FLUX.1 transformer (dev or schnell, or any size of the same shape).
 ///
-/// Every projection is a plain [`Linear`]; fields follow the BFL checkpoint keys
+/// Every projection is a [`LoraLinear`] (a plain `nn::Linear` until an adapter is attached,
+/// with the same parameter paths); fields follow the BFL checkpoint keys
 /// (see [`super::linear_keys`] for the few that Rust cannot spell).
 #[derive(Module, Debug)]
 pub struct Flux<B: Backend> {
     /// Image tokens to the residual width.
-    pub img_in: Linear<B>,
+    pub img_in: LoraLinear<B>,
     /// Timestep embedding.
     pub time_in: MlpEmbedder<B>,
     /// Pooled text embedding.
@@ -37,7 +39,7 @@ pub struct Flux<B: Backend> {
     /// Guidance-strength embedding (FLUX.1-dev).
     pub guidance_in: Option<MlpEmbedder<B>>,
     /// Text tokens to the residual width.
-    pub txt_in: Linear<B>,
+    pub txt_in: LoraLinear<B>,
     /// Blocks with separate image and text weights.
     pub double_blocks: Vec<DoubleStreamBlock<B>>,
     /// Blocks over the joint sequence.
@@ -78,13 +80,15 @@ impl FluxConfig {
         }
         let h = self.hidden_size;
         Flux {
-            img_in: LinearConfig::new(self.in_channels, h).init(device),
+            img_in: LinearConfig::new(self.in_channels, h).init(device).into(),
             time_in: MlpEmbedder::new(TIME_DIM, h, device),
             vector_in: MlpEmbedder::new(self.vec_in_dim, h, device),
             guidance_in: self
                 .guidance_embed
                 .then(|| MlpEmbedder::new(TIME_DIM, h, device)),
-            txt_in: LinearConfig::new(self.context_in_dim, h).init(device),
+            txt_in: LinearConfig::new(self.context_in_dim, h)
+                .init(device)
+                .into(),
             double_blocks: (0..self.depth)
                 .map(|_| DoubleStreamBlock::new(self, device))
                 .collect(),
@@ -171,16 +175,16 @@ impl<B: Backend> Flux<B> {
 #[derive(Module, Debug)]
 pub struct MlpEmbedder<B: Backend> {
     /// Input projection.
-    pub in_layer: Linear<B>,
+    pub in_layer: LoraLinear<B>,
     /// Output projection.
-    pub out_layer: Linear<B>,
+    pub out_layer: LoraLinear<B>,
 }
 
 impl<B: Backend> MlpEmbedder<B> {
     fn new(d_input: usize, hidden: usize, device: &B::Device) -> Self {
         Self {
-            in_layer: LinearConfig::new(d_input, hidden).init(device),
-            out_layer: LinearConfig::new(hidden, hidden).init(device),
+            in_layer: LinearConfig::new(d_input, hidden).init(device).into(),
+            out_layer: LinearConfig::new(hidden, hidden).init(device).into(),
         }
     }
 
@@ -195,14 +199,16 @@ impl<B: Backend> MlpEmbedder<B> {
 #[derive(Module, Debug)]
 pub struct ModulationLinear<B: Backend> {
     /// The projection (`3 · sets · hidden` outputs).
-    pub lin: Linear<B>,
+    pub lin: LoraLinear<B>,
     sets: usize,
 }
 
 impl<B: Backend> ModulationLinear<B> {
     fn new(hidden: usize, sets: usize, device: &B::Device) -> Self {
         Self {
-            lin: LinearConfig::new(hidden, 3 * sets * hidden).init(device),
+            lin: LinearConfig::new(hidden, 3 * sets * hidden)
+                .init(device)
+                .into(),
             sets,
         }
     }
@@ -268,19 +274,19 @@ impl<B: Backend> QkNorm<B> {
 #[derive(Module, Debug)]
 pub struct SelfAttention<B: Backend> {
     /// Fused query, key, value projection.
-    pub qkv: Linear<B>,
+    pub qkv: LoraLinear<B>,
     /// Query and key norms.
     pub norm: QkNorm<B>,
     /// Output projection.
-    pub proj: Linear<B>,
+    pub proj: LoraLinear<B>,
 }
 
 impl<B: Backend> SelfAttention<B> {
     fn new(hidden: usize, head_dim: usize, device: &B::Device) -> Self {
         Self {
-            qkv: LinearConfig::new(hidden, 3 * hidden).init(device),
+            qkv: LinearConfig::new(hidden, 3 * hidden).init(device).into(),
             norm: QkNorm::new(head_dim, device),
-            proj: LinearConfig::new(hidden, hidden).init(device),
+            proj: LinearConfig::new(hidden, hidden).init(device).into(),
         }
     }
 }
@@ -289,16 +295,16 @@ impl<B: Backend> SelfAttention<B> {
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     /// Expansion (BFL key `0`).
-    pub lin1: Linear<B>,
+    pub lin1: LoraLinear<B>,
     /// Contraction (BFL key `2`).
-    pub lin2: Linear<B>,
+    pub lin2: LoraLinear<B>,
 }
 
 impl<B: Backend> Mlp<B> {
     fn new(hidden: usize, mlp_hidden: usize, device: &B::Device) -> Self {
         Self {
-            lin1: LinearConfig::new(hidden, mlp_hidden).init(device),
-            lin2: LinearConfig::new(mlp_hidden, hidden).init(device),
+            lin1: LinearConfig::new(hidden, mlp_hidden).init(device).into(),
+            lin2: LinearConfig::new(mlp_hidden, hidden).init(device).into(),
         }
     }
 
@@ -394,9 +400,9 @@ impl<B: Backend> DoubleStreamBlock<B> {
 #[derive(Module, Debug)]
 pub struct SingleStreamBlock<B: Backend> {
     /// Fused query, key, value and MLP expansion.
-    pub linear1: Linear<B>,
+    pub linear1: LoraLinear<B>,
     /// Fused attention output and MLP contraction.
-    pub linear2: Linear<B>,
+    pub linear2: LoraLinear<B>,
     /// Query and key norms.
     pub norm: QkNorm<B>,
     /// Modulation (one set).
@@ -408,8 +414,8 @@ impl<B: Backend> SingleStreamBlock<B> {
     fn new(config: &FluxConfig, device: &B::Device) -> Self {
         let (h, mlp) = (config.hidden_size, config.mlp_hidden_dim());
         Self {
-            linear1: LinearConfig::new(h, 3 * h + mlp).init(device),
-            linear2: LinearConfig::new(h + mlp, h).init(device),
+            linear1: LinearConfig::new(h, 3 * h + mlp).init(device).into(),
+            linear2: LinearConfig::new(h + mlp, h).init(device).into(),
             norm: QkNorm::new(config.head_dim(), device),
             modulation: ModulationLinear::new(h, 1, device),
             num_heads: config.num_heads,
@@ -462,16 +468,16 @@ impl<B: Backend> SingleStreamBlock<B> {
 #[derive(Module, Debug)]
 pub struct LastLayer<B: Backend> {
     /// Projection to the output channels.
-    pub linear: Linear<B>,
+    pub linear: LoraLinear<B>,
     /// `(shift, scale)` from the conditioning vector (BFL key `adaLN_modulation.1`).
-    pub ada_ln_modulation: Linear<B>,
+    pub ada_ln_modulation: LoraLinear<B>,
 }
 
 impl<B: Backend> LastLayer<B> {
     fn new(hidden: usize, out_channels: usize, device: &B::Device) -> Self {
         Self {
-            linear: LinearConfig::new(hidden, out_channels).init(device),
-            ada_ln_modulation: LinearConfig::new(hidden, 2 * hidden).init(device),
+            linear: LinearConfig::new(hidden, out_channels).init(device).into(),
+            ada_ln_modulation: LinearConfig::new(hidden, 2 * hidden).init(device).into(),
         }
     }
 

@@ -8,6 +8,7 @@
 //! - [`checkpoint`]: the run folder, atomic checkpoints, the newest valid one for resume.
 //! - [`report`]: logs, progress bar, loss CSV and plot, the Ctrl-C flag.
 //! - [`rng`]: the seeded random generator whose state is saved with each checkpoint.
+//! - [`train`]: the loop that puts them together.
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -16,3 +17,4 @@ pub mod dataset;
 pub mod optim;
 pub mod report;
 pub mod rng;
+pub mod train;

@@ -4,6 +4,7 @@ mod convert;
 mod forward;
 mod inspect;
 mod quantize;
+mod train_command;
 
 use clap::{Parser, Subcommand};
 
@@ -25,20 +26,17 @@ enum Command {
     Forward(forward::ForwardArgs),
     /// Convert a LoRA file between the kohya and PEFT / diffusers layouts.
     ConvertLora(convert::ConvertArgs),
+    /// Train a LoRA from a YAML configuration (resuming the run's newest checkpoint if any).
+    Train(train_command::TrainArgs),
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BURNLORA_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let logging = burn_lora_train::report::init_logging()?;
     match Cli::parse().command {
         Command::Quantize(args) => quantize::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Forward(args) => forward::run(args),
         Command::ConvertLora(args) => convert::run(args),
+        Command::Train(args) => train_command::run(args, &logging),
     }
 }

@@ -110,6 +110,19 @@ impl CudaRing {
     }
 }
 
+/// Weights at most this large are uploaded through Burn's own (stream-ordered) path.
+const SMALL: usize = 1 << 20;
+
+/// Waits until the compute stream has run everything submitted to it so far.
+///
+/// Needed around raw copies into memory Burn hands out: a freshly allocated buffer may still be
+/// read by kernels queued for its previous tenant, and a staging buffer must outlive the kernel
+/// that decodes it. Burn orders its own uses of a buffer on its stream; the copy stream is
+/// outside that order.
+fn drain(client: &ComputeClient<CudaRuntime>) {
+    block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
+}
+
 /// A Burn buffer of `bytes` bytes on `device` and its address.
 fn device_buffer(
     client: &ComputeClient<CudaRuntime>,
@@ -221,6 +234,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         let slots = (0..slots)
             .map(|_| device_buffer(&client, slot_bytes))
             .collect::<Result<_, _>>()?;
+        drain(&client);
         Ok(CudaRing {
             ctx,
             stream,
@@ -261,13 +275,20 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         decode::<F, I, BT>(&ring.slots[slot].0, weight, device)
     }
 
-    /// A buffer of its own, filled by the same pinned copy as the ring (Burn's `from_data`
-    /// would go through pageable memory), then decoded if the wire format needs it.
+    /// Small weights go through Burn's own upload (ordered on the compute stream, so it needs
+    /// no wait). Larger ones get a buffer of their own, filled by the same pinned copy as the
+    /// ring (Burn's `from_data` would go through pageable memory), then decoded if the wire
+    /// format needs it; this drains the compute stream twice, which residency (once per weight)
+    /// and materialization (counted as a slow path) can afford.
     fn upload(weight: &HostWeight, device: &CudaDevice) -> Result<FloatTensor<Self>, OffloadError> {
+        let size = weight.wire_bytes();
+        if size <= SMALL {
+            return Ok(Self::float_from_data(weight.decode(), device));
+        }
         let (ctx, stream) = copy_stream(device)?;
         let client = CudaRuntime::client(device);
-        let size = weight.wire_bytes();
         let (handle, ptr) = device_buffer(&client, size)?;
+        drain(&client);
         let staging = CudaRing {
             ctx,
             stream,
@@ -275,7 +296,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             slot_bytes: size,
         };
         staging.copy(ptr, weight.memory.bytes())?;
-        Ok(decode::<F, I, BT>(&handle, weight, device))
+        let tensor = decode::<F, I, BT>(&handle, weight, device);
+        if weight.encoding != Encoding::Native {
+            drain(&client);
+        }
+        Ok(tensor)
     }
 
     fn fence(device: &CudaDevice) -> Option<Self::Fence> {

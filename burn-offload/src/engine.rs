@@ -418,7 +418,6 @@ impl<B: StreamTarget> Engine<B> {
             uploaded_mb = stats.bytes_uploaded / 1_000_000,
             upload_gbps = stats.upload_gbps(),
             wait_s = stats.wait_seconds,
-            overlap = stats.overlap(),
             resident_mb = stats.resident_bytes / 1_000_000,
             ring_mb = stats.ring_bytes / 1_000_000,
             peak_mb = stats.peak_device_bytes.map(|b| b / 1_000_000),
@@ -432,8 +431,11 @@ impl<B: StreamTarget> Engine<B> {
     fn resize_ring<'a>(&'a self, mut st: MutexGuard<'a, State<B>>) -> MutexGuard<'a, State<B>> {
         let wanted = (st.config.ring_slots, st.wanted_slot_bytes());
         let current = st.ring.as_ref().map(|r| (r.slots.len(), r.slot_bytes));
-        let fits = current.is_some_and(|(n, bytes)| n == wanted.0 && bytes >= wanted.1);
-        if fits || (current.is_none() && wanted.1 == 0) {
+        let fits = match current {
+            Some((n, bytes)) => wanted.1 > 0 && n == wanted.0 && bytes >= wanted.1,
+            None => wanted.1 == 0,
+        };
+        if fits {
             return st;
         }
         while st
@@ -494,6 +496,7 @@ impl<B: StreamTarget> Engine<B> {
                 let tensor = match st.resident.get(&weight.id).cloned() {
                     Some(t) => {
                         st.counters.resident_hits += 1;
+                        st.sample_memory(&self.device);
                         t
                     }
                     None => {
@@ -509,6 +512,7 @@ impl<B: StreamTarget> Engine<B> {
             }
             Route::Direct => {
                 st.counters.direct += 1;
+                st.sample_memory(&self.device);
                 drop(st);
                 op(self.upload(weight))
             }

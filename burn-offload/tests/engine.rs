@@ -214,6 +214,38 @@ fn the_planner_keeps_the_weight_whose_transfer_cannot_be_hidden() {
 }
 
 #[test]
+fn a_larger_budget_moves_the_weights_in_and_drops_the_ring() {
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::from_data(data(7, [64, DIM], 1.0, DType::F32), &device);
+    let expected = bits(
+        Modulated::<Flex>::new(&device)
+            .forward(x.clone())
+            .into_data(),
+    );
+    let stream = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let model = stream.stream_frozen(Modulated::<A>::new(&device)).unwrap();
+    let step = || {
+        stream.begin_step();
+        let out = model.forward(Tensor::<A, 2>::from_data(x.to_data(), &device));
+        assert_eq!(bits(out.into_data()), expected);
+        stream.end_step()
+    };
+    let streamed = step();
+    assert_eq!((streamed.prefetched, streamed.ring_bytes), (0, 2 * 1024));
+    stream
+        .reconfigure(stream.config().with_vram_budget(1 << 30))
+        .unwrap();
+    let moving = step();
+    assert_eq!(moving.bytes_uploaded, 4 * 1024);
+    let resident = step();
+    assert_eq!((resident.resident_hits, resident.ring_bytes), (4, 0));
+    assert_eq!(
+        (resident.resident_bytes, resident.bytes_uploaded),
+        (4 * 1024, 0)
+    );
+}
+
+#[test]
 fn activation_headroom_comes_out_of_the_budget() {
     let weight_bytes = (DIM * DIM * 4) as u64;
     let device = Default::default();

@@ -132,6 +132,10 @@ struct Caption {
 /// Trains the adapters of `plan` on `device` (the loop of `burnlora train`): creates or resumes
 /// the run folder, writes checkpoints and the loss CSV and plot, and stops early, with a
 /// checkpoint, when `stop` is set.
+///
+/// The noise comes from the backend's random generator, which is global to the process: a
+/// run is reproducible (and its resumption exact) only while no other code draws from that
+/// generator at the same time.
 pub fn train<B: Backend>(
     plan: &TrainPlan,
     resume: Resume,

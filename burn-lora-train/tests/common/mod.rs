@@ -1,0 +1,42 @@
+//! The tiny example's configuration, a training run on the CPU, and LoRA files as bits.
+
+use std::path::Path;
+
+use burn::backend::Flex;
+use burn_lora::{AdapterSet, Role};
+use burn_lora_train::config::TrainPlan;
+use burn_lora_train::report::StopFlag;
+use burn_lora_train::train::{Resume, TrainError, TrainSummary, train};
+
+/// The example configuration with `steps` steps, writing its run folder under `output`.
+pub fn plan(output: &Path, steps: u64) -> TrainPlan {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny/config.yaml");
+    let mut plan = TrainPlan::load(&file).unwrap();
+    plan.output_dir = output.to_path_buf();
+    plan.train.steps = steps;
+    plan
+}
+
+pub fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
+    train::<Flex>(plan, resume, &StopFlag::default(), &Default::default())
+}
+
+/// Every adapter tensor of a LoRA file as f32 bits, by name and role.
+pub fn weights(path: &Path) -> Vec<(String, Role, Vec<u32>)> {
+    let set: AdapterSet = burn_lora::load(path).unwrap();
+    set.iter()
+        .flat_map(|(name, adapter)| {
+            adapter.tensors().into_iter().map(move |(role, data)| {
+                let bits = data
+                    .clone()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                (name.to_string(), role, bits)
+            })
+        })
+        .collect()
+}

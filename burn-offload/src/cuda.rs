@@ -91,23 +91,26 @@ pub struct CudaRing {
     slot_bytes: usize,
 }
 
-impl CudaRing {
-    fn copy(&self, dst: u64, bytes: &[u8]) -> Result<(), OffloadError> {
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        self.ctx
-            .bind_to_thread()
-            .map_err(device_error("binding the CUDA context"))?;
-        // SAFETY: `dst` is a live Burn buffer of at least `bytes.len()` bytes that no kernel reads
-        // (the engine's fences guarantee it); `bytes` is page-locked and outlives the copy, which
-        // is complete when `synchronize` returns.
-        unsafe { result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
-            .map_err(device_error("copying a weight to the device"))?;
-        self.stream
-            .synchronize()
-            .map_err(device_error("waiting for a weight copy"))
+/// Copies `bytes` (page-locked) to device address `dst` on the copy stream and waits for it.
+fn copy(
+    ctx: &CudaContext,
+    stream: &CudaStream,
+    dst: u64,
+    bytes: &[u8],
+) -> Result<(), OffloadError> {
+    if bytes.is_empty() {
+        return Ok(());
     }
+    ctx.bind_to_thread()
+        .map_err(device_error("binding the CUDA context"))?;
+    // SAFETY: `dst` is a live Burn buffer of at least `bytes.len()` bytes that no kernel reads
+    // (the engine's fences guarantee it); `bytes` is page-locked and outlives the copy, which is
+    // complete when `synchronize` returns.
+    unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
+        .map_err(device_error("copying a weight to the device"))?;
+    stream
+        .synchronize()
+        .map_err(device_error("waiting for a weight copy"))
 }
 
 /// Weights at most this large are uploaded through Burn's own (stream-ordered) path.
@@ -244,7 +247,12 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
     }
 
     fn fill(ring: &CudaRing, slot: usize, weight: &HostWeight) -> Result<(), OffloadError> {
-        ring.copy(ring.slots[slot].1, weight.memory.bytes())
+        copy(
+            &ring.ctx,
+            &ring.stream,
+            ring.slots[slot].1,
+            weight.memory.bytes(),
+        )
     }
 
     fn poison(ring: &CudaRing, slot: usize) -> Result<(), OffloadError> {
@@ -289,13 +297,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         let client = CudaRuntime::client(device);
         let (handle, ptr) = device_buffer(&client, size)?;
         drain(&client);
-        let staging = CudaRing {
-            ctx,
-            stream,
-            slots: Vec::new(),
-            slot_bytes: size,
-        };
-        staging.copy(ptr, weight.memory.bytes())?;
+        copy(&ctx, &stream, ptr, weight.memory.bytes())?;
         let tensor = decode::<F, I, BT>(&handle, weight, device);
         if weight.encoding != Encoding::Native {
             drain(&client);

@@ -15,6 +15,8 @@ use common::{DIM, Path, Recompute, bits, data, net, train};
 
 type A = Autodiff<Offload<Flex>>;
 
+/// Every frozen matrix goes through two slots, and slots are filled with NaN as soon as they may
+/// be reused: a read of a weight after its slot was reused would break the bit-identity checks.
 fn ring_of_two() -> OffloadConfig {
     OffloadConfig::default()
         .with_ring_slots(2)

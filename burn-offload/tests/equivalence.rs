@@ -17,7 +17,8 @@ use common::{Path, Recompute, StepRecord, net, train};
 
 const STEPS: usize = 3;
 
-/// Streams every frozen matrix (none takes the direct path) through two slots.
+/// Every frozen matrix goes through two slots, and slots are filled with NaN as soon as they may
+/// be reused: a read of a weight after its slot was reused would break the bit-identity checks.
 fn ring_of_two() -> OffloadConfig {
     OffloadConfig::default()
         .with_ring_slots(2)

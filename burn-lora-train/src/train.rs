@@ -9,9 +9,14 @@
 //! `x_t = (1 − σ)·x₀ + σ·noise` at timestep σ and is trained to predict `noise − x₀` (mean
 //! squared error over the packed latents). Captions are encoded once, before the first step.
 //!
-//! A checkpoint (LoRA file plus optimizer and data state) is written every `save.save_every`
-//! steps, at the last step and when the stop flag is set; resuming restores the adapters from
-//! the optimizer's exact f32 copies, never from the (possibly bf16) LoRA file.
+//! A step whose loss or gradient is not finite is skipped; after `train.max_nan_steps` of them
+//! in a row the run stops. A checkpoint (LoRA file plus optimizer and data state) is written
+//! every `save.save_every` steps, at the last step, and when the run stops early; resuming
+//! restores the adapters from the optimizer's exact f32 copies, never from the (possibly bf16)
+//! LoRA file.
+//!
+//! So far the loop trains the `tiny` model only (in f32, the encoders on the same device), and
+//! latents are not cached on disk (`cache_latents_to_disk` is ignored with a warning).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -85,7 +90,8 @@ pub enum TrainError {
     /// The model source is not supported by this loop yet.
     #[error("model.path {0}: only `tiny` can be trained so far")]
     UnsupportedModel(PathBuf),
-    /// Too many consecutive steps had a non-finite loss or gradient.
+    /// Too many consecutive steps had a non-finite loss or gradient (a checkpoint of the last
+    /// step was written).
     #[error("{0} consecutive steps with a non-finite loss or gradient")]
     NonFinite(usize),
 }
@@ -143,6 +149,9 @@ pub fn train<B: Backend>(
     device: &B::Device,
 ) -> Result<TrainSummary, TrainError> {
     let run = RunDir::create(plan.run_dir(), &plan.name)?;
+    if plan.datasets.iter().any(|d| d.cache_to_disk) {
+        tracing::warn!("cache_latents_to_disk is not supported yet: images are encoded each step");
+    }
     let dataset = Dataset::scan(&plan.datasets)?;
     let models = tiny_models::<B>(plan, device)?;
     B::seed(device, plan.train.seed);
@@ -235,9 +244,6 @@ pub fn train<B: Backend>(
                 "step {step}: loss {loss}, gradient norm {}: skipped",
                 stepped.grad_norm
             );
-            if non_finite >= plan.train.max_nan_steps {
-                return Err(TrainError::NonFinite(non_finite));
-            }
         }
         let seconds = start.elapsed().as_secs_f64();
         summary.losses.push(loss);
@@ -252,7 +258,8 @@ pub fn train<B: Backend>(
                 seconds,
             })?;
         }
-        let stopping = stop.is_set();
+        let diverged = non_finite >= plan.train.max_nan_steps;
+        let stopping = stop.is_set() || diverged;
         if step % plan.save.every == 0 || step == plan.train.steps || stopping {
             let state = TrainingState {
                 step,
@@ -282,6 +289,9 @@ pub fn train<B: Backend>(
             plot_loss(loss_log.rows(), &run.path().join(crate::report::LOSS_PNG))?;
             tracing::info!("saved {}", saved.lora.display());
             summary.lora = Some(saved.lora);
+        }
+        if diverged {
+            return Err(TrainError::NonFinite(non_finite));
         }
         if stopping {
             tracing::warn!("stopped at step {step}");

@@ -45,3 +45,19 @@ fn resume_without_a_checkpoint_is_an_error() {
         "{error}"
     );
 }
+
+#[test]
+fn a_diverged_run_stops_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut plan = plan(dir.path(), 20);
+    plan.train.lr = 1e30;
+    plan.train.max_nan_steps = 2;
+    let error = run(&plan, Resume::Auto).unwrap_err();
+    assert!(matches!(error, TrainError::NonFinite(2)), "{error}");
+    let saved: Vec<_> = std::fs::read_dir(plan.run_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.starts_with("state_"))
+        .collect();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+}

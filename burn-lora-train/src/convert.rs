@@ -43,7 +43,10 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         report.params
     );
     if !report.dropped.is_empty() {
-        println!("not carried over (unrecognized keys): {}", report.dropped.join(", "));
+        println!(
+            "not carried over (unrecognized keys): {}",
+            report.dropped.join(", ")
+        );
     }
     Ok(())
 }

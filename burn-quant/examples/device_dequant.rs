@@ -7,10 +7,10 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
-use cubecl::Runtime as _;
 use burn_quant::{
     FloatBytes, Fp8Format, Fp8Tensor, Granularity, dequantize, dequantize_codes, padded_codes,
 };
+use cubecl::Runtime as _;
 use half::bf16;
 
 #[cfg(feature = "cuda")]

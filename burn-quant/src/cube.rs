@@ -22,9 +22,9 @@ fn decode(code: u32, #[comptime] e4m3: bool) -> f32 {
     let exponent_max = comptime!(if e4m3 { 15u32 } else { 31u32 });
     let rebias = comptime!(if e4m3 { 120u32 } else { 112u32 });
     let subnormal_step = comptime!(if e4m3 {
-        0.001953125f32 // 2^-9
+        1.0f32 / 512.0
     } else {
-        0.0000152587890625f32 // 2^-16
+        1.0f32 / 65536.0
     });
 
     let sign = (code & 0x80u32) << 24u32;

@@ -49,7 +49,8 @@ pub struct Flux<B: Backend> {
     config: FluxConfig,
 }
 
-/// One forward pass's inputs, as diffusers names them in brackets.
+/// One forward pass's inputs, as diffusers names them in brackets. Tensors are in the model's
+/// dtype; positions stay on the host.
 #[derive(Clone, Debug)]
 pub struct FluxInput<B: Backend> {
     /// Image tokens (`hidden_states`), `[batch, img_tokens, in_channels]`.

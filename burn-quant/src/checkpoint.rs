@@ -69,6 +69,8 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// `(shard, name)` in file order (shard by shard, by offset).
     order: Vec<(usize, String)>,
+    /// Name to position in `order`.
+    index: HashMap<String, usize>,
 }
 
 impl Checkpoint {
@@ -85,11 +87,11 @@ impl Checkpoint {
             .iter()
             .map(|f| Shard::open(f))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut seen = HashMap::new();
+        let mut index = HashMap::new();
         let mut order = Vec::new();
         for (s, shard) in shards.iter().enumerate() {
             for name in shard.metadata.offset_keys() {
-                if seen.insert(name.clone(), s).is_some() {
+                if index.insert(name.clone(), order.len()).is_some() {
                     return Err(QuantError::DuplicateKey {
                         file: shard.path.clone(),
                         key: name,
@@ -98,7 +100,11 @@ impl Checkpoint {
                 order.push((s, name));
             }
         }
-        Ok(Self { shards, order })
+        Ok(Self {
+            shards,
+            order,
+            index,
+        })
     }
 
     /// The number of tensors.
@@ -131,10 +137,8 @@ impl Checkpoint {
 
     /// The tensor under `name`, if present.
     pub fn get(&self, name: &str) -> Option<TensorEntry<'_>> {
-        self.order
-            .iter()
-            .find(|(_, n)| n == name)
-            .map(|(s, n)| self.entry(*s, n))
+        let (shard, name) = &self.order[*self.index.get(name)?];
+        Some(self.entry(*shard, name))
     }
 
     fn entry<'a>(&'a self, shard: usize, name: &'a str) -> TensorEntry<'a> {

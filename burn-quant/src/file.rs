@@ -1,6 +1,6 @@
 //! Quantizing a whole checkpoint file to scaled FP8, streaming, and reading such files back.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::path::Path;
 
 use regex::Regex;
@@ -92,9 +92,9 @@ pub fn quantize_checkpoint(
             }),
         }
     }
-    let mut names = HashMap::new();
+    let mut names = HashSet::new();
     for h in &headers {
-        if names.insert(h.name.as_str(), ()).is_some() {
+        if !names.insert(h.name.as_str()) {
             return Err(QuantError::DuplicateKey {
                 file: output.to_path_buf(),
                 key: h.name.clone(),

@@ -2,13 +2,18 @@
 //! GPU: one forward pass, then training steps with block-level gradient checkpointing, timed,
 //! with the device's peak memory.
 //!
+//! With `--stream-budget-gb X` the model runs on `Autodiff<Offload<Cuda>>` instead: its frozen
+//! weights move to page-locked host memory and stream through burn-offload's ring, all but
+//! those that fit in an X GB VRAM budget (`--wire e5m2` sends them as FP8).
+//!
 //! Until LoRA adapters exist, the trainable parameters of the step are the two input embedders
 //! (`img_in`, `txt_in`; 13 M parameters): every block is frozen but the gradient still flows back
 //! through all of them, as it does for LoRA, and AdamW updates the embedders.
 //!
 //! ```text
 //! cargo run --release --features cuda --example flux_full_step -- \
-//!     [--img-tokens 4096] [--txt-tokens 512] [--steps 3] [--no-checkpointing]
+//!     [--img-tokens 4096] [--txt-tokens 512] [--steps 3] [--no-checkpointing] \
+//!     [--stream-budget-gb 12 [--wire bf16|e5m2|e4m3]]
 //! ```
 //! Peak memory is read from `nvidia-smi` (every 20 ms; the whole GPU, as the driver sees it).
 
@@ -25,14 +30,16 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, FloatDType, IntDType, Tensor, TensorData};
 use burn_diffusion::flux::{Flux, FluxConfig, FluxInput};
 use burn_diffusion::{BlockTape, Checkpointing};
-
-type Train = Autodiff<Cuda>;
+use burn_offload::{Offload, OffloadConfig, WeightStream, WireFormat};
 
 struct Args {
     img_tokens: usize,
     txt_tokens: usize,
     steps: usize,
     checkpointing: Checkpointing,
+    /// VRAM budget of the streamed run, in bytes; `None` for a resident run.
+    stream_budget: Option<u64>,
+    wire: WireFormat,
 }
 
 fn parse_args() -> Args {
@@ -41,18 +48,30 @@ fn parse_args() -> Args {
         txt_tokens: 512,
         steps: 3,
         checkpointing: Checkpointing::Blocks,
+        stream_budget: None,
+        wire: WireFormat::Native,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || -> usize {
-            it.next()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{flag} needs a number"))
+        let mut value =
+            || -> String { it.next().unwrap_or_else(|| panic!("{flag} needs a value")) };
+        let number = |v: String| -> f64 {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{flag} needs a number, not {v}"))
         };
         match flag.as_str() {
-            "--img-tokens" => args.img_tokens = value(),
-            "--txt-tokens" => args.txt_tokens = value(),
-            "--steps" => args.steps = value(),
+            "--img-tokens" => args.img_tokens = number(value()) as usize,
+            "--txt-tokens" => args.txt_tokens = number(value()) as usize,
+            "--steps" => args.steps = number(value()) as usize,
+            "--stream-budget-gb" => args.stream_budget = Some((number(value()) * 1e9) as u64),
+            "--wire" => {
+                args.wire = match value().as_str() {
+                    "bf16" => WireFormat::Native,
+                    "e5m2" => WireFormat::E5M2,
+                    "e4m3" => WireFormat::E4M3,
+                    other => panic!("--wire takes bf16, e5m2 or e4m3, not {other}"),
+                }
+            }
             "--no-checkpointing" => args.checkpointing = Checkpointing::Off,
             other => panic!("unknown argument {other}"),
         }
@@ -149,20 +168,84 @@ fn input<B: Backend>(
     (input, target)
 }
 
+/// What brackets each step: nothing for a resident model, the weight stream's
+/// `begin_step` / `end_step` for a streamed one (returning its statistics to print).
+struct Hooks<'a> {
+    begin: &'a dyn Fn(),
+    end: &'a dyn Fn() -> String,
+}
+
 fn main() {
     let args = parse_args();
     let device = Default::default();
-    burn::tensor::set_default_dtypes::<Cuda>(&device, FloatDType::BF16, IntDType::I32)
-        .expect("bf16 as the default float type");
     let memory = PeakMemory::start();
     let peak = || memory.as_ref().map_or(f64::NAN, PeakMemory::take_peak);
     peak();
+    match args.stream_budget {
+        None => {
+            let model = create::<Cuda>(&device, &peak);
+            let hooks = Hooks {
+                begin: &|| {},
+                end: &String::new,
+            };
+            run(model, &args, &device, &peak, &hooks);
+        }
+        Some(budget) => {
+            type Streamed = Autodiff<Offload<Cuda>>;
+            let config = OffloadConfig::default()
+                .with_vram_budget(budget)
+                .with_wire(args.wire);
+            let stream = WeightStream::<Streamed>::new(&device, config).expect("weight stream");
+            let model = create::<Offload<Cuda>>(&device, &peak);
+            let start = Instant::now();
+            let model = stream
+                .stream_frozen(model)
+                .expect("streaming the frozen weights");
+            Streamed::memory_cleanup(&device);
+            println!(
+                "frozen weights moved to host memory in {:.1} s (budget {:.1} GB, wire {:?}); peak {:.1} GB",
+                start.elapsed().as_secs_f64(),
+                budget as f64 / 1e9,
+                args.wire,
+                peak()
+            );
+            let hooks = Hooks {
+                begin: &|| stream.begin_step(),
+                end: &|| {
+                    let s = stream.end_step();
+                    format!(
+                        "\n  stream: {:?}, {} uses ({} prefetched, {} on demand, {} resident), {:.1} GB uploaded at {:.1} GB/s, host waited {:.2} s, resident {:.1} GB, ring {:.2} GB, pool peak {:.1} GB",
+                        s.schedule,
+                        s.weight_uses,
+                        s.prefetched,
+                        s.on_demand,
+                        s.resident_hits,
+                        s.bytes_uploaded as f64 / 1e9,
+                        s.upload_gbps(),
+                        s.wait_seconds,
+                        s.resident_bytes as f64 / 1e9,
+                        s.ring_bytes as f64 / 1e9,
+                        s.peak_device_bytes.unwrap_or(0) as f64 / 1e9
+                    )
+                },
+            };
+            run(model, &args, &device, &peak, &hooks);
+        }
+    }
+}
 
+/// The model with random bf16 weights, created on the device; frozen but for the two input
+/// projections.
+fn create<B: Backend>(device: &B::Device, peak: &dyn Fn() -> f64) -> Flux<Autodiff<B>> {
+    burn::tensor::set_default_dtypes::<B>(device, FloatDType::BF16, IntDType::I32)
+        .expect("bf16 as the default float type");
     let config = FluxConfig::dev();
     let start = Instant::now();
-    let model: Flux<Train> = config.init(&device).no_grad();
+    let mut model: Flux<Autodiff<B>> = config.init(device).no_grad();
+    model.img_in = model.img_in.map(&mut Unfreeze);
+    model.txt_in = model.txt_in.map(&mut Unfreeze);
     materialize(&model);
-    Train::sync(&device).unwrap();
+    B::sync(device).unwrap();
     let params = model.num_params();
     println!(
         "FLUX.1-dev shape: {:.2} B parameters ({:.1} GB bf16), created in {:.1} s; peak {:.1} GB",
@@ -171,64 +254,78 @@ fn main() {
         start.elapsed().as_secs_f64(),
         peak()
     );
+    model
+}
 
+/// Makes every parameter of a module trainable.
+struct Unfreeze;
+
+impl<B: Backend> ModuleMapper<Autodiff<B>> for Unfreeze {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<Autodiff<B>, D>>,
+    ) -> Param<Tensor<Autodiff<B>, D>> {
+        param.set_require_grad(true)
+    }
+}
+
+/// Two forward passes, then `args.steps` checkpointed training steps.
+fn run<B: Backend>(
+    model: Flux<Autodiff<B>>,
+    args: &Args,
+    device: &B::Device,
+    peak: &dyn Fn() -> f64,
+    hooks: &Hooks,
+) {
+    let config = model.config().clone();
+    let cold = |run: usize| {
+        if run == 0 {
+            " (includes kernel compilation and autotune)"
+        } else {
+            ""
+        }
+    };
     let inference = model.valid();
     for run in 0..2 {
-        let (input, _) = input::<Cuda>(&config, &args, &device);
+        let (input, _) = input::<B>(&config, args, device);
         let start = Instant::now();
+        (hooks.begin)();
         let out = inference.forward(input);
-        <Cuda as Backend>::sync(&device).unwrap();
+        B::sync(device).unwrap();
+        let stats = (hooks.end)();
         let seconds = start.elapsed().as_secs_f64();
         drop(out);
         println!(
-            "forward {run} ({} image + {} text tokens): {seconds:.3} s; peak {:.1} GB{}",
+            "forward {run} ({} image + {} text tokens): {seconds:.3} s; peak {:.1} GB{}{stats}",
             args.img_tokens,
             args.txt_tokens,
             peak(),
-            if run == 0 {
-                " (includes kernel compilation and autotune)"
-            } else {
-                ""
-            }
+            cold(run)
         );
     }
     drop(inference);
 
-    // The projections' base weights start frozen; train the two input projections.
-    struct Unfreeze;
-    impl ModuleMapper<Train> for Unfreeze {
-        fn map_float<const D: usize>(
-            &mut self,
-            param: Param<Tensor<Train, D>>,
-        ) -> Param<Tensor<Train, D>> {
-            param.set_require_grad(true)
-        }
-    }
     let mut model = model;
-    model.img_in = model.img_in.map(&mut Unfreeze);
-    model.txt_in = model.txt_in.map(&mut Unfreeze);
-    let mut optimizer = AdamWConfig::new().init::<Train, Flux<Train>>();
+    let mut optimizer = AdamWConfig::new().init::<Autodiff<B>, Flux<Autodiff<B>>>();
     for step in 0..args.steps {
-        let (input, target) = input::<Train>(&config, &args, &device);
+        let (input, target) = input::<Autodiff<B>>(&config, args, device);
         let start = Instant::now();
+        (hooks.begin)();
         let mut tape = BlockTape::new(args.checkpointing);
         let out = model.forward_with(input, &mut tape);
         let loss = (out - target).powi_scalar(2).mean();
         let forward = start.elapsed().as_secs_f64();
         let grads = GradientsParams::from_grads(tape.backward(&loss, &model), &model);
         model = optimizer.step(1e-4, model, grads);
-        Train::sync(&device).unwrap();
+        Autodiff::<B>::sync(device).unwrap();
+        let stats = (hooks.end)();
         let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
         println!(
-            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB{}",
+            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB{}{stats}",
             args.checkpointing,
             start.elapsed().as_secs_f64(),
             peak(),
-            if step == 0 {
-                " (includes kernel compilation and autotune)"
-            } else {
-                ""
-            }
+            cold(step)
         );
     }
 }

@@ -38,12 +38,16 @@ fn main() {
     let memory = MemoryMonitor::start();
     println!("device memory in use before start: {} MiB", memory.baseline);
 
+    let started = Instant::now();
+    let stage = |what: &str| println!("[{:7.1} s] {what}", started.elapsed().as_secs_f64());
+    stage("creating the VAE");
     let vae = VaeConfig::flux().init::<B>(&device);
     let image = Tensor::<B, 4>::random(
         [1, 3, 1024, 1024],
         Distribution::Uniform(-1.0, 1.0),
         &device,
     );
+    stage("encoding");
     measure("FLUX.1 VAE encode 1024x1024", &device, &memory, || {
         vae.encode(image.clone()).mean
     });
@@ -54,6 +58,7 @@ fn main() {
     drop((vae, image, latent));
     B::memory_cleanup(&device);
 
+    stage("creating CLIP-L");
     let clip = ClipTextConfig::clip_l().init::<B>(&device);
     let ids = Tensor::<B, 2, Int>::random([1, 77], Distribution::Uniform(0.0, 49407.0), &device);
     measure("CLIP-L encode 77 tokens", &device, &memory, || {
@@ -62,6 +67,7 @@ fn main() {
     drop((clip, ids));
     B::memory_cleanup(&device);
 
+    stage("creating T5-XXL");
     let t5 = T5Config::xxl().init::<B>(&device);
     let ids = Tensor::<B, 2, Int>::random([1, 512], Distribution::Uniform(0.0, 32127.0), &device);
     measure("T5-XXL encode 512 tokens", &device, &memory, || {
@@ -77,7 +83,8 @@ fn main() {
 fn measure<T>(label: &str, device: &CudaDevice, memory: &MemoryMonitor, f: impl Fn() -> T) {
     memory.reset();
     let mut times = Vec::with_capacity(RUNS);
-    for _ in 0..RUNS {
+    for run in 0..RUNS {
+        println!("  {label}: run {run}");
         let start = Instant::now();
         let out = f();
         B::sync(device).expect("device error");

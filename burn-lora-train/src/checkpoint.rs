@@ -216,28 +216,7 @@ impl RunDir {
             serde_json::to_string(&meta).expect("the state serializes to JSON"),
         )]);
         let state_path = self.state_path(state.step);
-        write_atomically(&state_path, |tmp| {
-            let views = tensors
-                .iter()
-                .map(|(k, d)| {
-                    let invalid = |reason: String| CheckpointError::Invalid {
-                        path: state_path.clone(),
-                        reason: format!("tensor `{k}`: {reason}"),
-                    };
-                    let dtype = to_safetensors_dtype(d.dtype)
-                        .ok_or_else(|| invalid(format!("dtype {:?} cannot be saved", d.dtype)))?;
-                    let view = TensorView::new(dtype, d.shape.to_vec(), d.as_bytes())
-                        .map_err(|e| invalid(e.to_string()))?;
-                    Ok((*k, view))
-                })
-                .collect::<Result<Vec<_>, CheckpointError>>()?;
-            safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| {
-                CheckpointError::Io {
-                    path: tmp.to_path_buf(),
-                    source: std::io::Error::other(e),
-                }
-            })
-        })?;
+        write_tensors(&state_path, &tensors, metadata)?;
         self.prune(keep)?;
         Ok(Checkpoint {
             step: state.step,
@@ -296,13 +275,9 @@ impl RunDir {
             path: path.clone(),
             reason,
         };
-        let bytes = std::fs::read(&path).map_err(io_error(&path))?;
-        let tensors = SafeTensors::deserialize(&bytes).map_err(|e| invalid(e.to_string()))?;
-        let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| invalid(e.to_string()))?;
-        let json = header
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(STATE_KEY))
+        let (views, metadata) = read_tensors(&path)?;
+        let json = metadata
+            .get(STATE_KEY)
             .ok_or_else(|| invalid(format!("no `{STATE_KEY}` metadata")))?;
         let meta: StateMeta =
             serde_json::from_str(json).map_err(|e| invalid(format!("state metadata: {e}")))?;
@@ -312,9 +287,8 @@ impl RunDir {
                 meta.version, meta.step
             )));
         }
-        let mut views = tensors.tensors();
-        views.sort_by(|a, b| a.0.cmp(&b.0));
-        if tensors_crc(views.iter().map(|(k, v)| (k.as_str(), v.data()))) != meta.tensors_crc32 {
+        if tensors_crc(views.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))) != meta.tensors_crc32
+        {
             return Err(invalid(
                 "optimizer tensors do not match their CRC-32".into(),
             ));
@@ -334,17 +308,7 @@ impl RunDir {
             }
             Err(e) => return Err(invalid(e.to_string())),
         }
-        let optimizer = views
-            .into_iter()
-            .map(|(k, v)| {
-                let dtype = from_safetensors_dtype(v.dtype())
-                    .ok_or_else(|| invalid(format!("tensor `{k}` has dtype {:?}", v.dtype())))?;
-                Ok((
-                    k,
-                    TensorData::from_bytes_vec(v.data().to_vec(), v.shape().to_vec(), dtype),
-                ))
-            })
-            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        let optimizer = views;
         Ok((
             Checkpoint {
                 step,
@@ -395,6 +359,66 @@ where
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| E::from(io_error(dir)(e)))
+}
+
+/// Writes `tensors` (in the given order) and `metadata` to the safetensors file `path`,
+/// atomically.
+pub(crate) fn write_tensors(
+    path: &Path,
+    tensors: &[(&str, &TensorData)],
+    metadata: HashMap<String, String>,
+) -> Result<(), CheckpointError> {
+    write_atomically(path, |tmp| {
+        let views = tensors
+            .iter()
+            .map(|(k, d)| {
+                let invalid = |reason: String| CheckpointError::Invalid {
+                    path: path.to_path_buf(),
+                    reason: format!("tensor `{k}`: {reason}"),
+                };
+                let dtype = to_safetensors_dtype(d.dtype)
+                    .ok_or_else(|| invalid(format!("dtype {:?} cannot be saved", d.dtype)))?;
+                let view = TensorView::new(dtype, d.shape.to_vec(), d.as_bytes())
+                    .map_err(|e| invalid(e.to_string()))?;
+                Ok((*k, view))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| {
+            CheckpointError::Io {
+                path: tmp.to_path_buf(),
+                source: std::io::Error::other(e),
+            }
+        })
+    })
+}
+
+/// Named tensors, as a safetensors file holds them.
+pub(crate) type NamedData = Vec<(String, TensorData)>;
+
+/// The tensors of the safetensors file `path`, sorted by name, and its metadata;
+/// [`CheckpointError::Invalid`] when the file cannot be parsed.
+pub(crate) fn read_tensors(
+    path: &Path,
+) -> Result<(NamedData, HashMap<String, String>), CheckpointError> {
+    let invalid = |reason: String| CheckpointError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(io_error(path))?;
+    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| invalid(e.to_string()))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| invalid(e.to_string()))?;
+    let mut views = tensors.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    let tensors = views
+        .into_iter()
+        .map(|(k, v)| {
+            let dtype = from_safetensors_dtype(v.dtype())
+                .ok_or_else(|| invalid(format!("tensor `{k}` has dtype {:?}", v.dtype())))?;
+            let data = TensorData::from_bytes_vec(v.data().to_vec(), v.shape().to_vec(), dtype);
+            Ok((k, data))
+        })
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    Ok((tensors, header.metadata().clone().unwrap_or_default()))
 }
 
 /// Size and CRC-32 of a file.

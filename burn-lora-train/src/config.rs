@@ -148,9 +148,15 @@ pub struct NetworkYaml {
 pub struct ModelYaml {
     /// Architecture: `flux1` (FLUX.1 dev / schnell).
     pub arch: String,
-    /// A diffusers folder or a single checkpoint file, relative to the config file; the word
-    /// `tiny` builds a small random model instead (for trying the tool).
+    /// A diffusers folder, relative to the config file; the word `tiny` builds a small random
+    /// model instead (for trying the tool), and `random:flux1-dev` / `random:flux1-schnell` a
+    /// full-size one with random weights (for measuring speed and memory).
     pub path: PathBuf,
+    /// Folder holding the tokenizers as a diffusers folder does (`tokenizer/` for CLIP,
+    /// `tokenizer_2/` for T5), relative to the config file; default: `path` for a diffusers
+    /// folder, the config file's folder for `tiny` and `random:` models.
+    #[serde(default)]
+    pub tokenizers: Option<PathBuf>,
     /// Compute dtype of the base: `bf16` or `f32`.
     #[serde(default = "defaults::dtype")]
     pub dtype: String,
@@ -514,7 +520,13 @@ pub enum Arch {
 pub enum ModelSource {
     /// A small model with random weights, built in memory.
     Tiny,
-    /// A diffusers folder or a single checkpoint file (absolute).
+    /// A full-size model (transformer, VAE, CLIP-L, T5-XXL) with random weights, built on the
+    /// device: the FLUX.1-dev shape (`true`, guidance-distilled) or schnell's.
+    Random {
+        /// Whether the transformer has FLUX.1-dev's guidance embedding.
+        guidance: bool,
+    },
+    /// A diffusers folder (absolute).
     Path(PathBuf),
 }
 
@@ -525,6 +537,8 @@ pub struct ModelPlan {
     pub arch: Arch,
     /// Weights.
     pub source: ModelSource,
+    /// Folder of the tokenizers (`tokenizer/`, `tokenizer_2/`), absolute.
+    pub tokenizers: PathBuf,
     /// Compute dtype of the base (`BF16` or `F32`).
     pub dtype: DType,
     /// FP8 format of the frozen weights on the bus; `None` sends them in `dtype`.
@@ -943,23 +957,59 @@ fn check_model(
     resolve: &dyn Fn(&Path) -> PathBuf,
 ) -> Option<ModelPlan> {
     let arch = c.choose("model.arch", &m.arch, &[("flux1", Arch::Flux1)]);
-    let source = if m.path.as_os_str() == "tiny" {
-        Some(ModelSource::Tiny)
-    } else {
-        let path = resolve(&m.path);
-        if path.exists() {
-            Some(ModelSource::Path(path))
-        } else {
+    let source = match m.path.to_str() {
+        Some("tiny") => Some(ModelSource::Tiny),
+        Some("random:flux1-dev") => Some(ModelSource::Random { guidance: true }),
+        Some("random:flux1-schnell") => Some(ModelSource::Random { guidance: false }),
+        Some(other) if other.starts_with("random:") => {
             c.fail(
                 "model.path",
                 format!(
-                    "{} does not exist; expected a diffusers folder, a checkpoint file, or `tiny`",
-                    path.display()
+                    "`{other}`: the random models are `random:flux1-dev` and `random:flux1-schnell`"
                 ),
             );
             None
         }
+        _ => {
+            let path = resolve(&m.path);
+            if path.is_dir() {
+                Some(ModelSource::Path(path))
+            } else {
+                c.fail(
+                    "model.path",
+                    format!(
+                        "{} is not a folder; expected a diffusers folder (transformer/, vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/), `tiny` or `random:flux1-dev`",
+                        path.display()
+                    ),
+                );
+                None
+            }
+        }
     };
+    let tokenizers = match (&m.tokenizers, &source) {
+        (Some(folder), _) => Some(resolve(folder)),
+        (None, Some(ModelSource::Path(path))) => Some(path.clone()),
+        (None, _) => Some(resolve(Path::new("."))),
+    };
+    let tokenizers = tokenizers.and_then(|folder| {
+        let found = ["tokenizer", "tokenizer_2"]
+            .iter()
+            .all(|sub| folder.join(sub).is_dir());
+        if found {
+            Some(folder)
+        } else if source.is_some() {
+            c.fail(
+                "model.tokenizers",
+                format!(
+                    "{} has no tokenizer/ and tokenizer_2/ folders (CLIP's and T5's tokenizer files)",
+                    folder.display()
+                ),
+            );
+            None
+        } else {
+            None
+        }
+    });
     let dtype = c.choose(
         "model.dtype",
         &m.dtype,
@@ -990,6 +1040,7 @@ fn check_model(
     Some(ModelPlan {
         arch: arch?,
         source: source?,
+        tokenizers: tokenizers?,
         dtype: dtype?,
         wire: wire?,
         vram_budget_bytes: budget?,
@@ -1163,7 +1214,9 @@ mod tests {
     use super::*;
 
     fn write(dir: &Path, yaml: &str) -> PathBuf {
-        std::fs::create_dir_all(dir.join("images")).unwrap();
+        for folder in ["images", "tokenizer", "tokenizer_2"] {
+            std::fs::create_dir_all(dir.join(folder)).unwrap();
+        }
         let path = dir.join("train.yaml");
         std::fs::write(&path, yaml).unwrap();
         path

@@ -2,18 +2,22 @@
 //! caches of latents and text embeddings, the training loop, checkpoints with exact resume,
 //! and the logs, loss curve and progress bar around it.
 //!
+//! - [`cache`]: latents and caption encodings, computed once and cached beside the images.
 //! - [`config`]: the YAML file, environment overrides, and the validated [`config::TrainPlan`].
 //! - [`dataset`]: images and captions, aspect-ratio buckets, the seeded epoch order.
 //! - [`optim`]: AdamW with f32 or block-wise 8-bit moments, clipping, the learning-rate schedule.
 //! - [`checkpoint`]: the run folder, atomic checkpoints, the newest valid one for resume.
 //! - [`report`]: logs, progress bar, loss CSV and plot, the Ctrl-C flag.
 //! - [`rng`]: the seeded random generator whose state is saved with each checkpoint.
-//! - [`train`]: the loop that puts them together.
+//! - [`train`]: the loop that puts them together, on `Autodiff<Offload<B>>` so that the frozen
+//!   weights can stream from host memory.
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod dataset;
+mod models;
 pub mod optim;
 pub mod report;
 pub mod rng;

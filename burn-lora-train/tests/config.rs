@@ -37,7 +37,9 @@ struct Case {
 
 fn case(yaml: &str) -> Case {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("images")).unwrap();
+    for folder in ["images", "tokenizer", "tokenizer_2"] {
+        std::fs::create_dir(dir.path().join(folder)).unwrap();
+    }
     let file = dir.path().join("train.yaml");
     std::fs::write(&file, yaml).unwrap();
     Case { dir, file }
@@ -172,7 +174,7 @@ fn impossible_values_say_what_is_allowed() {
         (
             ("path: tiny", "path: missing.safetensors"),
             "model.path",
-            "does not exist",
+            "is not a folder",
         ),
         (
             ("linear_alpha:", "linear_alpha: -1"),

@@ -1,24 +1,28 @@
 """Writes examples/tiny/images/: six 64x64 PNGs (gradients, a disc, a square, stripes) with
 same-stem .txt captions, the dataset of examples/tiny/config.yaml. Standard library only.
+
+`make_images.py SIZE FOLDER` writes the same six images at SIZE x SIZE into FOLDER instead
+(examples/flux/bench_images/ holds them at 1024 for the GPU benchmark).
 """
 import math
 import struct
+import sys
 import zlib
 from pathlib import Path
 
 SIZE = 64
 
 
-def png(path, pixel):
+def png(path, pixel, size):
     rows = b"".join(
-        b"\x00" + bytes(c for x in range(SIZE) for c in pixel(x / (SIZE - 1), y / (SIZE - 1)))
-        for y in range(SIZE)
+        b"\x00" + bytes(c for x in range(size) for c in pixel(x / (size - 1), y / (size - 1)))
+        for y in range(size)
     )
 
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    header = struct.pack(">IIBBBBB", SIZE, SIZE, 8, 2, 0, 0, 0)
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b""))
 
 
@@ -40,10 +44,12 @@ IMAGES = {
 
 
 def main():
-    folder = Path(__file__).parent / "images"
+    size, folder = SIZE, Path(__file__).parent / "images"
+    if len(sys.argv) == 3:
+        size, folder = int(sys.argv[1]), Path(sys.argv[2])
     folder.mkdir(exist_ok=True)
     for name, (caption, pixel) in IMAGES.items():
-        png(folder / f"{name}.png", pixel)
+        png(folder / f"{name}.png", pixel, size)
         (folder / f"{name}.txt").write_text(caption + "\n")
 
 

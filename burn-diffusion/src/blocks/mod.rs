@@ -11,7 +11,7 @@ mod norm;
 mod rope;
 mod timestep;
 
-pub use attention::sdpa;
+pub use attention::{ScoreBias, attention, sdpa};
 pub use mlp::gelu_tanh;
 pub use modulation::Modulation;
 pub use norm::{layer_norm, rms_norm};

@@ -9,12 +9,11 @@ use std::path::Path;
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, sigmoid};
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
 
 use super::{ClipActivation, ClipTextConfig};
+use crate::blocks::{ScoreBias, attention};
 use crate::error::LoadError;
 use crate::weights::{NamedTensors, component_folder};
 
@@ -272,17 +271,13 @@ impl<B: Backend> ClipAttention<B> {
                 .reshape([b, l, heads, d / heads])
                 .swap_dims(1, 2)
         };
-        let options = AttentionModuleOptions {
-            is_causal: true,
-            ..Default::default()
-        };
+        let scale = ((d / heads) as f64).sqrt().recip();
         let out = attention(
             split(&self.q_proj),
             split(&self.k_proj),
             split(&self.v_proj),
-            None,
-            None,
-            options,
+            scale,
+            ScoreBias::Causal,
         );
         self.out_proj
             .forward(out.swap_dims(1, 2).reshape([b, l, d]))

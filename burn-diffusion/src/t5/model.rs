@@ -8,13 +8,11 @@ use std::path::Path;
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
 
 use super::T5Config;
-use crate::blocks::{gelu_tanh, rms_norm};
+use crate::blocks::{ScoreBias, attention, gelu_tanh, rms_norm};
 use crate::error::LoadError;
 use crate::weights::{NamedTensors, component_folder};
 
@@ -214,17 +212,12 @@ impl<B: Backend> T5SelfAttention<B> {
                 .reshape([b, l, config.num_heads, config.d_kv])
                 .swap_dims(1, 2)
         };
-        let options = AttentionModuleOptions {
-            scale: Some(1.0),
-            ..Default::default()
-        };
         let out = attention(
             split(&self.q),
             split(&self.k),
             split(&self.v),
-            None,
-            Some(bias),
-            options,
+            1.0,
+            ScoreBias::Add(bias),
         );
         let out = out
             .swap_dims(1, 2)

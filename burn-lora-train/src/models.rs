@@ -1,0 +1,188 @@
+//! The models of a run, by [`ModelSource`]: the frozen encoders, used once to fill the caches
+//! and dropped, and the transformer that gets the adapters.
+//!
+//! `tiny` builds small random models seeded from the run's seed; `random:` builds full-size ones
+//! on the device (random weights, for measuring speed and memory without the real files);
+//! a diffusers folder is loaded with burn-diffusion's loaders. Every float parameter is brought
+//! to the model's dtype.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor};
+use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel};
+use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig};
+use burn_diffusion::t5::{T5Config, T5Encoder};
+use burn_diffusion::tokenize::CaptionTokenizer;
+use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+
+use crate::config::{ModelSource, TrainPlan};
+use crate::train::TrainError;
+
+/// Caption length of the tiny model's CLIP and T5.
+const TINY_TOKENS: usize = 16;
+/// CLIP's caption length in the FLUX.1 pipeline.
+const CLIP_TOKENS: usize = 77;
+
+/// CLIP-L and T5 with their tokenizers.
+pub(crate) struct TextEncoders<B: Backend> {
+    pub clip: ClipTextModel<B>,
+    pub t5: T5Encoder<B>,
+    pub clip_tokenizer: CaptionTokenizer,
+    pub t5_tokenizer: CaptionTokenizer,
+}
+
+/// The transformer's configuration, without loading its weights.
+pub(crate) fn flux_config(plan: &TrainPlan) -> Result<FluxConfig, TrainError> {
+    Ok(match &plan.model.source {
+        ModelSource::Tiny => FluxConfig::new(64, 64, 32, 32, 32, 2, 2, 2, vec![4, 6, 6], true),
+        ModelSource::Random { guidance: true } => FluxConfig::dev(),
+        ModelSource::Random { guidance: false } => FluxConfig::schnell(),
+        ModelSource::Path(path) => FluxCheckpoint::open(path)?.config().clone(),
+    })
+}
+
+/// The text encoders, on `device` in the model's dtype.
+pub(crate) fn text_encoders<B: Backend>(
+    plan: &TrainPlan,
+    device: &B::Device,
+) -> Result<TextEncoders<B>, TrainError> {
+    let t5_tokens = match &plan.model.source {
+        ModelSource::Tiny => TINY_TOKENS,
+        // FluxPipeline's max_sequence_length: 512 for dev, 256 for schnell.
+        _ if flux_config(plan)?.guidance_embed => 512,
+        _ => 256,
+    };
+    let clip_tokens = match plan.model.source {
+        ModelSource::Tiny => TINY_TOKENS,
+        _ => CLIP_TOKENS,
+    };
+    let folder = &plan.model.tokenizers;
+    let clip_tokenizer = CaptionTokenizer::clip(&folder.join("tokenizer"), clip_tokens)?;
+    let t5_tokenizer = CaptionTokenizer::t5(&folder.join("tokenizer_2"), t5_tokens)?;
+    let dtype = float_dtype(plan);
+    let seed = plan.train.seed;
+    let (clip, t5) = match &plan.model.source {
+        ModelSource::Tiny => {
+            B::seed(device, seed ^ 2);
+            let clip = ClipTextConfig {
+                vocab_size: 4096,
+                hidden_size: 32,
+                intermediate_size: 64,
+                num_hidden_layers: 2,
+                num_attention_heads: 2,
+                max_position_embeddings: TINY_TOKENS,
+                hidden_act: ClipActivation::QuickGelu,
+                layer_norm_eps: 1e-5,
+                eos_token_id: 2,
+                projection_dim: None,
+            }
+            .init::<B>(device);
+            let clip = materialize(clip, dtype);
+            B::seed(device, seed ^ 3);
+            let t5 = T5Config {
+                vocab_size: 4096,
+                d_model: 32,
+                d_kv: 8,
+                d_ff: 64,
+                num_layers: 2,
+                num_heads: 4,
+                relative_attention_num_buckets: 8,
+                relative_attention_max_distance: 16,
+                layer_norm_epsilon: 1e-6,
+            }
+            .init::<B>(device);
+            (clip, materialize(t5, dtype))
+        }
+        ModelSource::Random { .. } => {
+            B::seed(device, seed ^ 2);
+            let clip = materialize(ClipTextConfig::clip_l().init::<B>(device), dtype);
+            B::seed(device, seed ^ 3);
+            (clip, materialize(T5Config::xxl().init::<B>(device), dtype))
+        }
+        ModelSource::Path(path) => (
+            ClipTextModel::load(path, device, dtype)?,
+            T5Encoder::load(path, device, dtype)?,
+        ),
+    };
+    Ok(TextEncoders {
+        clip,
+        t5,
+        clip_tokenizer,
+        t5_tokenizer,
+    })
+}
+
+/// The VAE, on `device` in the model's dtype.
+pub(crate) fn vae<B: Backend>(
+    plan: &TrainPlan,
+    device: &B::Device,
+) -> Result<AutoencoderKl<B>, TrainError> {
+    let dtype = float_dtype(plan);
+    B::seed(device, plan.train.seed ^ 1);
+    Ok(match &plan.model.source {
+        ModelSource::Tiny => {
+            let config = VaeConfig {
+                block_out_channels: vec![8, 8, 8, 8],
+                layers_per_block: 1,
+                norm_num_groups: 4,
+                ..VaeConfig::flux()
+            };
+            materialize(config.init::<B>(device), dtype)
+        }
+        ModelSource::Random { .. } => materialize(VaeConfig::flux().init::<B>(device), dtype),
+        ModelSource::Path(path) => VaeCheckpoint::open(path)?.load(device, dtype)?,
+    })
+}
+
+/// The transformer, on `device` in the model's dtype, every parameter frozen.
+pub(crate) fn transformer<B: Backend>(
+    plan: &TrainPlan,
+    device: &B::Device,
+) -> Result<Flux<B>, TrainError> {
+    let dtype = float_dtype(plan);
+    B::seed(device, plan.train.seed ^ 4);
+    let flux = match &plan.model.source {
+        ModelSource::Path(path) => Flux::load(path, device, dtype)?,
+        _ => materialize(flux_config(plan)?.init::<B>(device), dtype),
+    };
+    Ok(flux.no_grad())
+}
+
+/// The base model's float dtype.
+fn float_dtype(plan: &TrainPlan) -> FloatDType {
+    match plan.model.dtype {
+        DType::BF16 => FloatDType::BF16,
+        DType::F16 => FloatDType::F16,
+        _ => FloatDType::F32,
+    }
+}
+
+/// Creates every lazily initialized parameter of `module` now, in `dtype`, so that the values
+/// do not depend on when the device's random generator is next reseeded.
+fn materialize<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
+    struct Cast(FloatDType);
+    impl<B: Backend> ModuleMapper<B> for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|tensor| {
+                if tensor.dtype() == DType::from(dtype) {
+                    tensor
+                } else {
+                    tensor.cast(dtype)
+                }
+            })
+        }
+    }
+    module.map(&mut Cast(dtype))
+}
+
+/// Creates every lazily initialized parameter of `module` now.
+pub(crate) fn initialize<B: Backend, M: Module<B>>(module: &M) {
+    struct Touch;
+    impl<B: Backend> ModuleVisitor<B> for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}

@@ -1,0 +1,137 @@
+//! Latent and caption caches: written beside the images, read back instead of encoding, keyed
+//! by what the values depend on, rebuilt when unreadable.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::Flex;
+use burn::tensor::TensorData;
+use burn_lora_train::cache::{CACHE_FOLDER, Prepared, prepare};
+use burn_lora_train::config::TrainPlan;
+use burn_lora_train::dataset::Dataset;
+
+/// The tiny example with its images copied to `dir` and the disk cache on.
+fn cached_plan(dir: &Path) -> TrainPlan {
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny/images");
+    for entry in std::fs::read_dir(images).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut plan = common::plan(dir, 1);
+    plan.datasets[0].folder = dir.to_path_buf();
+    plan.datasets[0].cache_to_disk = true;
+    plan
+}
+
+fn run(plan: &TrainPlan) -> Prepared {
+    let dataset = Dataset::scan(&plan.datasets).unwrap();
+    prepare::<Flex>(plan, &dataset, &Default::default()).unwrap()
+}
+
+fn cache_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join(CACHE_FOLDER))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files
+}
+
+fn zeros_like(data: &TensorData) -> TensorData {
+    TensorData::zeros::<f32, _>(data.shape.clone())
+}
+
+#[test]
+fn a_valid_cache_is_read_instead_of_encoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = cached_plan(dir.path());
+    let first = run(&plan);
+    let files = cache_files(dir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let n = first.latents.len();
+    assert_eq!(n, 6);
+
+    // Replace the cached latents with zeros: a second run must return them as they are.
+    let (mut tensors, metadata) = safetensors_tensors(&files[0]);
+    for (name, data) in &mut tensors {
+        if name.starts_with("latent.") {
+            *data = zeros_like(data);
+        }
+    }
+    write_safetensors(&files[0], &tensors, metadata);
+    let second = run(&plan);
+    for (latent, original) in second.latents.iter().zip(&first.latents) {
+        assert_eq!(latent, &zeros_like(original));
+    }
+    assert_eq!(second.captions, first.captions);
+    assert_eq!(second.empty, first.empty);
+}
+
+#[test]
+fn a_changed_caption_gets_a_new_cache_and_a_damaged_one_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = cached_plan(dir.path());
+    let first = run(&plan);
+
+    std::fs::write(dir.path().join("stripes.txt"), "zebra stripes\n").unwrap();
+    let changed = run(&plan);
+    assert_eq!(cache_files(dir.path()).len(), 2);
+    assert_eq!(changed.latents, first.latents);
+    assert_ne!(changed.captions, first.captions);
+
+    // Cut the newest file short: the next run warns, encodes again and rewrites it.
+    let files = cache_files(dir.path());
+    let newest = files
+        .iter()
+        .max_by_key(|f| std::fs::metadata(f).unwrap().modified().unwrap())
+        .unwrap();
+    let bytes = std::fs::read(newest).unwrap();
+    std::fs::write(newest, &bytes[..bytes.len() / 2]).unwrap();
+    let rebuilt = run(&plan);
+    assert_eq!(rebuilt.latents, changed.latents);
+    assert_eq!(rebuilt.captions, changed.captions);
+    assert_eq!(std::fs::read(newest).unwrap(), bytes);
+}
+
+fn safetensors_tensors(
+    path: &Path,
+) -> (Vec<(String, TensorData)>, Option<std::collections::HashMap<String, String>>) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let data = TensorData::from_bytes_vec(
+                view.data().to_vec(),
+                view.shape().to_vec(),
+                burn::tensor::DType::F32,
+            );
+            (name, data)
+        })
+        .collect();
+    (tensors, header.metadata().clone())
+}
+
+fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, TensorData)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) {
+    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(name, data)| {
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                data.shape.to_vec(),
+                data.as_bytes(),
+            )
+            .unwrap();
+            (name.as_str(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, metadata, path).unwrap();
+}

@@ -291,3 +291,68 @@ fn burnlora_quantize_files_load_with_their_scales() {
         assert_eq!(checked, 36, "{format} {granularity}");
     }
 }
+
+/// `load_with` hands every projection weight (and nothing else) to the placement, in Burn's
+/// layout, and builds the same model as `load`; a placement error names the parameter.
+#[test]
+fn weight_matrices_can_be_placed_elsewhere() {
+    use burn::tensor::{Tensor, TensorData};
+
+    let device = Default::default();
+    let checkpoint = FluxCheckpoint::open(&case("guidance")).unwrap();
+    let plain = checkpoint.load::<Flex>(&device, FloatDType::F32).unwrap();
+    let mut placed = Vec::new();
+    let mut place = |name: &str, data: TensorData| {
+        placed.push((name.to_string(), data.shape.to_vec()));
+        Ok(Tensor::<Flex, 2>::from_data(data, &device))
+    };
+    let streamed = checkpoint
+        .load_with::<Flex>(&device, FloatDType::F32, &mut place)
+        .unwrap();
+    let expected: Vec<String> = burn_diffusion::flux::linear_keys(checkpoint.config())
+        .iter()
+        .map(|k| format!("{}.weight", k.module))
+        .collect();
+    let mut names: Vec<String> = placed.iter().map(|(n, _)| n.clone()).collect();
+    names.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    assert_eq!(names, expected_sorted);
+    let (a, b) = (flatten(&plain), flatten(&streamed));
+    assert_eq!(a.len(), b.len());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert_eq!(x, y, "{name}");
+    }
+
+    let mut refuse = |_: &str, _: TensorData| Err::<Tensor<Flex, 2>, _>("no room".to_string());
+    let error = checkpoint
+        .load_with::<Flex>(&device, FloatDType::F32, &mut refuse)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains(&expected[0]) && error.contains("no room"),
+        "{error}"
+    );
+}
+
+/// Every float parameter of `model` with its path, as f32 values.
+fn flatten(model: &burn_diffusion::flux::Flux<Flex>) -> Vec<(String, Vec<f32>)> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct All(Vec<String>, Vec<(String, Vec<f32>)>);
+    impl ModuleVisitor<Flex> for All {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
+            let values = param.val().into_data().convert::<f32>().to_vec().unwrap();
+            self.1.push((self.0.join("."), values));
+        }
+    }
+    let mut all = All(Vec::new(), Vec::new());
+    model.visit(&mut all);
+    all.1
+}

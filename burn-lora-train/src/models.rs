@@ -14,9 +14,10 @@ use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig};
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_offload::{StreamTarget, WeightStream};
 
 use crate::config::{ModelSource, TrainPlan};
-use crate::train::TrainError;
+use crate::train::{TrainBackend, TrainError};
 
 /// Caption length of the tiny model's CLIP and T5.
 const TINY_TOKENS: usize = 16;
@@ -134,16 +135,27 @@ pub(crate) fn vae<B: Backend>(
     })
 }
 
-/// The transformer, on `device` in the model's dtype, every parameter frozen.
-pub(crate) fn transformer<B: Backend>(
+/// The transformer in the model's dtype, every parameter frozen. Loaded from files with a
+/// `stream`, its weight matrices go straight to host memory as streamed weights, so that a
+/// model larger than the device loads; otherwise, and for random models (created on the
+/// device), they are on `device`.
+pub(crate) fn transformer<B: StreamTarget>(
     plan: &TrainPlan,
     device: &B::Device,
-) -> Result<Flux<B>, TrainError> {
+    stream: Option<&WeightStream<TrainBackend<B>>>,
+) -> Result<Flux<TrainBackend<B>>, TrainError> {
     let dtype = float_dtype(plan);
-    B::seed(device, plan.train.seed ^ 4);
-    let flux = match &plan.model.source {
-        ModelSource::Path(path) => Flux::load(path, device, dtype)?,
-        _ => materialize(flux_config(plan)?.init::<B>(device), dtype),
+    TrainBackend::<B>::seed(device, plan.train.seed ^ 4);
+    let flux = match (&plan.model.source, stream) {
+        (ModelSource::Path(path), Some(stream)) => {
+            FluxCheckpoint::open(path)?.load_with(device, dtype, &mut |name, data| {
+                stream
+                    .streamed_tensor::<2>(name, data)
+                    .map_err(|e| e.to_string())
+            })?
+        }
+        (ModelSource::Path(path), None) => Flux::load(path, device, dtype)?,
+        _ => materialize(flux_config(plan)?.init(device), dtype),
     };
     Ok(flux.no_grad())
 }

@@ -135,7 +135,10 @@ pub fn train<B: StreamTarget>(
     let prepared = cache::prepare::<B>(plan, &dataset, device)?;
 
     let start = Instant::now();
-    let flux = models::transformer::<TrainBackend<B>>(plan, device)?;
+    let stream = offload_config(plan)
+        .map(|config| WeightStream::<TrainBackend<B>>::new(device, config))
+        .transpose()?;
+    let flux = models::transformer::<B>(plan, device, stream.as_ref())?;
     B::seed(device, plan.train.seed);
     let (mut flux, applied) = plan.network.lora.apply(flux);
     models::initialize(&flux);
@@ -144,15 +147,10 @@ pub fn train<B: StreamTarget>(
         applied.count(),
         applied.params()
     );
-    let stream = match offload_config(plan) {
-        Some(config) => {
-            let stream = WeightStream::<TrainBackend<B>>::new(device, config)?;
-            flux = stream.stream_frozen(flux)?;
-            TrainBackend::<B>::memory_cleanup(device);
-            Some(stream)
-        }
-        None => None,
-    };
+    if let Some(stream) = &stream {
+        flux = stream.stream_frozen(flux)?;
+        TrainBackend::<B>::memory_cleanup(device);
+    }
     tracing::info!(
         "transformer ready in {:.1} s{}",
         start.elapsed().as_secs_f64(),

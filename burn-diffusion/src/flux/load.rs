@@ -127,12 +127,36 @@ impl FluxCheckpoint {
         device: &B::Device,
         dtype: FloatDType,
     ) -> Result<Flux<B>, LoadError> {
+        self.load_placed(device, dtype, None)
+    }
+
+    /// As [`FluxCheckpoint::load`], but every weight matrix (the projections' rank-2 weights,
+    /// in Burn's layout and in `dtype`) is handed to `place`, by parameter path, instead of
+    /// being uploaded to `device`: a model larger than the device's memory loads this way into
+    /// host memory (burn-offload's `WeightStream::streamed_tensor`). An error `place` returns
+    /// is reported as [`LoadError::Config`] naming the parameter.
+    pub fn load_with<B: Backend>(
+        &self,
+        device: &B::Device,
+        dtype: FloatDType,
+        place: &mut PlaceWeight<'_, B>,
+    ) -> Result<Flux<B>, LoadError> {
+        self.load_placed(device, dtype, Some(place))
+    }
+
+    fn load_placed<B: Backend>(
+        &self,
+        device: &B::Device,
+        dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
+    ) -> Result<Flux<B>, LoadError> {
         let linears = linear_keys(&self.config);
         let vectors = vector_keys(&self.config);
         let mut loader = Loader::<B> {
             source: self,
             device: device.clone(),
             dtype,
+            place,
             linears: linears.iter().map(|k| (k.module.as_str(), k)).collect(),
             vectors: vectors.iter().map(|k| (k.module.as_str(), k)).collect(),
             path: Vec::new(),
@@ -153,6 +177,10 @@ impl<B: Backend> Flux<B> {
     }
 }
 
+/// Where [`FluxCheckpoint::load_with`] puts a weight matrix: given its parameter path and its
+/// values (Burn's layout, the model's dtype), the tensor the model holds, or why not.
+pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
+
 /// One tensor to read: rows `rows` of `key` (a tensor of `len` rows) go to rows `to..` of the
 /// parameter.
 struct Piece {
@@ -163,10 +191,12 @@ struct Piece {
 }
 
 /// Fills each parameter from the checkpoint as the model's parameters are visited.
-struct Loader<'a, B: Backend> {
+struct Loader<'a, 'p, 'q, B: Backend> {
     source: &'a FluxCheckpoint,
     device: B::Device,
     dtype: FloatDType,
+    /// Where weight matrices go instead of the device, if anywhere.
+    place: Option<&'p mut PlaceWeight<'q, B>>,
     linears: HashMap<&'a str, &'a LinearKeys>,
     vectors: HashMap<&'a str, &'a VectorKeys>,
     path: Vec<String>,
@@ -175,7 +205,7 @@ struct Loader<'a, B: Backend> {
     failure: Option<LoadError>,
 }
 
-impl<B: Backend> ModuleMapper<B> for Loader<'_, B> {
+impl<B: Backend> ModuleMapper<B> for Loader<'_, '_, '_, B> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -190,16 +220,30 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_, B> {
         let Some(data) = self.read(&path, &shape) else {
             return param;
         };
-        let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
-        let tensor = B::memory_persistent_allocations(&device, data, |data| {
-            Tensor::<B, D>::from_data(data, (&device, dtype))
-        });
+        let tensor = match self.place.as_mut().filter(|_| D == 2) {
+            Some(place) => match place(&path, data) {
+                Ok(matrix) => Tensor::<B, D>::from_primitive(matrix.into_primitive()),
+                Err(message) => {
+                    self.failure.get_or_insert(LoadError::Config {
+                        file: self.source.path.clone(),
+                        message: format!("{path}: {message}"),
+                    });
+                    return param;
+                }
+            },
+            None => {
+                let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
+                B::memory_persistent_allocations(&device, data, |data| {
+                    Tensor::<B, D>::from_data(data, (&device, dtype))
+                })
+            }
+        };
         let id = param.id;
         param.transform_for_load(tensor, id)
     }
 }
 
-impl<B: Backend> Loader<'_, B> {
+impl<B: Backend> Loader<'_, '_, '_, B> {
     /// The value of the parameter at `path` (Burn's shape `shape`), or `None` after recording
     /// why it cannot be read.
     fn read(&mut self, path: &str, shape: &[usize]) -> Option<TensorData> {

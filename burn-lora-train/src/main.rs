@@ -3,6 +3,8 @@
 mod convert;
 mod forward;
 mod inspect;
+#[cfg(feature = "cuda")]
+mod kernels;
 mod quantize;
 mod train_command;
 
@@ -32,6 +34,8 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let logging = burn_lora_train::report::init_logging()?;
+    #[cfg(feature = "cuda")]
+    kernels::persist();
     match Cli::parse().command {
         Command::Quantize(args) => quantize::run(args),
         Command::Inspect(args) => inspect::run(args),

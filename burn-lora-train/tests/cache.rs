@@ -23,7 +23,12 @@ fn cached_plan(dir: &Path) -> TrainPlan {
     plan
 }
 
+/// The random encoders of the tiny model draw from the backend's generator, which is global
+/// to the process: tests that build them take turns.
+static ENCODERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn run(plan: &TrainPlan) -> Prepared {
+    let _turn = ENCODERS.lock().unwrap_or_else(|e| e.into_inner());
     let dataset = Dataset::scan(&plan.datasets).unwrap();
     prepare::<Flex>(plan, &dataset, &Default::default()).unwrap()
 }

@@ -220,25 +220,7 @@ fn bad_inputs_are_named() {
 /// tensor, transposed to Burn's layout, and no scale is left over as an unexpected key.
 #[test]
 fn burnlora_quantize_files_load_with_their_scales() {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
     use burn_quant::{Fp8Format, Granularity, QuantizeOptions, quantize_checkpoint, read_fp8};
-
-    struct Weights(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>);
-    impl ModuleVisitor<Flex> for Weights {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
-            let value = param.val();
-            let dims = value.dims().to_vec();
-            self.1
-                .push((self.0.join("."), dims, value.into_data().to_vec().unwrap()));
-        }
-    }
 
     let dir = tempfile::tempdir().unwrap();
     let source = case("guidance").join("flux1-bfl.safetensors");
@@ -260,14 +242,12 @@ fn burnlora_quantize_files_load_with_their_scales() {
         let model = checkpoint
             .load::<Flex>(&Default::default(), FloatDType::F32)
             .unwrap();
-        let mut weights = Weights(Vec::new(), Vec::new());
-        model.visit(&mut weights);
+        let weights = flatten(&model);
 
         let files = Checkpoint::open(&file).unwrap();
         let mut checked = 0;
         for keys in burn_diffusion::flux::linear_keys(checkpoint.config()) {
             let (_, dims, loaded) = weights
-                .1
                 .iter()
                 .find(|(p, _, _)| *p == format!("{}.weight", keys.module))
                 .unwrap();
@@ -320,7 +300,7 @@ fn weight_matrices_can_be_placed_elsewhere() {
     assert_eq!(names, expected_sorted);
     let (a, b) = (flatten(&plain), flatten(&streamed));
     assert_eq!(a.len(), b.len());
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
+    for ((name, _, x), (_, _, y)) in a.iter().zip(&b) {
         assert_eq!(x, y, "{name}");
     }
 
@@ -335,11 +315,11 @@ fn weight_matrices_can_be_placed_elsewhere() {
     );
 }
 
-/// Every float parameter of `model` with its path, as f32 values.
-fn flatten(model: &burn_diffusion::flux::Flux<Flex>) -> Vec<(String, Vec<f32>)> {
+/// Every float parameter of `model`: its path, shape and f32 values.
+fn flatten(model: &burn_diffusion::flux::Flux<Flex>) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::tensor::Tensor;
-    struct All(Vec<String>, Vec<(String, Vec<f32>)>);
+    struct All(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>);
     impl ModuleVisitor<Flex> for All {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name.to_string());
@@ -348,8 +328,10 @@ fn flatten(model: &burn_diffusion::flux::Flux<Flex>) -> Vec<(String, Vec<f32>)> 
             self.0.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
-            let values = param.val().into_data().convert::<f32>().to_vec().unwrap();
-            self.1.push((self.0.join("."), values));
+            let value = param.val();
+            let dims = value.dims().to_vec();
+            let values = value.into_data().convert::<f32>().to_vec().unwrap();
+            self.1.push((self.0.join("."), dims, values));
         }
     }
     let mut all = All(Vec::new(), Vec::new());

@@ -19,6 +19,12 @@ use serde::de::DeserializeOwned;
 use crate::error::{KeyReport, LoadError, ShapeMismatch};
 use crate::flux::read_f32;
 
+/// Where a loader puts a weight matrix instead of the device: given its parameter path and its
+/// values (Burn's layout, the model's dtype), the tensor the model holds, or why not. The
+/// trainer passes burn-offload's `WeightStream::streamed_tensor`, so that a model larger than
+/// the device loads straight into host memory.
+pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
+
 /// The tensors of a checkpoint under their canonical names.
 pub(crate) struct NamedTensors {
     files: Checkpoint,
@@ -74,19 +80,22 @@ impl NamedTensors {
     /// parameter's module path, after the `gamma` / `beta` renaming), in `dtype` on `device`.
     ///
     /// Every missing, mis-shaped or unused tensor is collected and reported at once as
-    /// [`LoadError::Keys`] (missing ones under their canonical names).
+    /// [`LoadError::Keys`] (missing ones under their canonical names). With `place`, every
+    /// `Linear` weight goes there instead of to the device.
     pub fn load<B: Backend, M: Module<B>>(
         &self,
         model: M,
         name_of: impl Fn(&str) -> String,
         device: &B::Device,
         dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
     ) -> Result<M, LoadError> {
         let mut filler = Filler {
             source: self,
             name_of,
             device: device.clone(),
             dtype,
+            place,
             stack: Vec::new(),
             used: HashSet::new(),
             report: KeyReport::default(),
@@ -119,11 +128,12 @@ pub(crate) fn read_json<T: DeserializeOwned>(file: &Path) -> Result<T, LoadError
 }
 
 /// Fills each parameter from the checkpoint as the model's parameters are visited.
-struct Filler<'a, B: Backend, F> {
+struct Filler<'a, 'p, 'q, B: Backend, F> {
     source: &'a NamedTensors,
     name_of: F,
     device: B::Device,
     dtype: FloatDType,
+    place: Option<&'p mut PlaceWeight<'q, B>>,
     /// `(field, type of the struct that holds it)` from the root to the current parameter.
     stack: Vec<(String, String)>,
     used: HashSet<String>,
@@ -131,7 +141,7 @@ struct Filler<'a, B: Backend, F> {
     failure: Option<LoadError>,
 }
 
-impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, B, F> {
+impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, '_, '_, B, F> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.stack
             .push((name.to_string(), container_type.to_string()));
@@ -166,16 +176,31 @@ impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, B, F> {
         let Some(data) = self.read(&name, &shape, linear_weight) else {
             return param;
         };
-        let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
-        let tensor = B::memory_persistent_allocations(&device, data, |data| {
-            Tensor::<B, D>::from_data(data, (&device, dtype))
-        });
+        let dtype = DType::from(self.dtype);
+        let tensor = match self.place.as_mut().filter(|_| linear_weight && D == 2) {
+            Some(place) => match place(&name, data.convert_dtype(dtype)) {
+                Ok(matrix) => Tensor::<B, D>::from_primitive(matrix.into_primitive()),
+                Err(message) => {
+                    self.failure.get_or_insert(LoadError::Config {
+                        file: self.source.path.clone(),
+                        message: format!("{name}: {message}"),
+                    });
+                    return param;
+                }
+            },
+            None => {
+                let device = self.device.clone();
+                B::memory_persistent_allocations(&device, data, |data| {
+                    Tensor::<B, D>::from_data(data, (&device, dtype))
+                })
+            }
+        };
         let id = param.id;
         param.transform_for_load(tensor, id)
     }
 }
 
-impl<B: Backend, F> Filler<'_, B, F> {
+impl<B: Backend, F> Filler<'_, '_, '_, B, F> {
     /// The value of the tensor `name` in Burn's layout (`shape`), or `None` after recording
     /// why it cannot be read.
     fn read(&mut self, name: &str, shape: &[usize], linear_weight: bool) -> Option<TensorData> {
@@ -326,7 +351,13 @@ mod tests {
         })
         .unwrap();
         let model = tensors
-            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .load(
+                tiny(),
+                str::to_string,
+                &Default::default(),
+                FloatDType::F32,
+                None,
+            )
             .unwrap();
         let values = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
         // Burn's [d_input, d_output] is the checkpoint's [d_output, d_input] transposed.
@@ -375,7 +406,13 @@ mod tests {
             .dequantize();
         let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
         let model = tensors
-            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .load(
+                tiny(),
+                str::to_string,
+                &Default::default(),
+                FloatDType::F32,
+                None,
+            )
             .unwrap();
         let loaded = model.proj.weight.val().into_data().to_vec::<f32>().unwrap();
         assert_eq!(loaded, transpose(&expected, 2, 3));
@@ -396,7 +433,13 @@ mod tests {
         let files = Checkpoint::open(&file).unwrap();
         let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
         let error = tensors
-            .load(tiny(), str::to_string, &Default::default(), FloatDType::F32)
+            .load(
+                tiny(),
+                str::to_string,
+                &Default::default(),
+                FloatDType::F32,
+                None,
+            )
             .unwrap_err();
         let LoadError::Keys { report, .. } = error else {
             panic!("expected a key report, got {error}");

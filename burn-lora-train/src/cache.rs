@@ -20,6 +20,7 @@ use std::time::{Instant, UNIX_EPOCH};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5};
+use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use crate::checkpoint::{read_tensors, write_tensors};
 use crate::config::{TrainPlan, fnv1a64};
@@ -63,7 +64,7 @@ struct Part {
 
 /// Latents and caption encodings of every item of `dataset`, from the caches where valid,
 /// else computed on `device` (and cached when the dataset asks for it).
-pub fn prepare<B: Backend>(
+pub fn prepare<B: StreamTarget>(
     plan: &TrainPlan,
     dataset: &Dataset,
     device: &B::Device,
@@ -212,16 +213,30 @@ fn encode_latents<B: Backend>(
     Ok(())
 }
 
-/// Encodes `texts` with CLIP and T5 (loaded here and dropped before returning).
-fn encode_captions<B: Backend>(
+/// Encodes `texts` with CLIP and T5 (loaded here and dropped before returning). When the
+/// transformer streams its weights, T5 streams too, within the same budget.
+fn encode_captions<B: StreamTarget>(
     plan: &TrainPlan,
     texts: &[&str],
     device: &B::Device,
 ) -> Result<Vec<Caption>, TrainError> {
     let start = Instant::now();
-    let encoders = models::text_encoders::<B>(plan, device)?;
+    let stream = models::offload_config(plan)
+        .map(|config| WeightStream::<Offload<B>>::new(device, config))
+        .transpose()?;
+    let encoders = models::text_encoders::<B>(plan, device, stream.as_ref())?;
     let pooled = encode_clip_pooled(&encoders.clip_tokenizer, encoders.clip, texts, TEXT_BATCH)?;
+    if let Some(stream) = &stream {
+        stream.begin_step();
+    }
     let states = encode_t5(&encoders.t5_tokenizer, encoders.t5, texts, TEXT_BATCH)?;
+    if let Some(stream) = &stream {
+        let stats = stream.end_step();
+        tracing::info!(
+            "T5 streamed {:.2} GB from host memory",
+            stats.bytes_uploaded as f64 / 1e9
+        );
+    }
     tracing::info!(
         "encoded {} captions in {:.1} s",
         texts.len(),

@@ -14,7 +14,8 @@ use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig};
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_offload::{StreamTarget, WeightStream};
+use burn_offload::{Offload, OffloadConfig, StreamTarget, WeightStream, WireFormat};
+use burn_quant::Fp8Format;
 
 use crate::config::{ModelSource, TrainPlan};
 use crate::train::{TrainBackend, TrainError};
@@ -42,11 +43,13 @@ pub(crate) fn flux_config(plan: &TrainPlan) -> Result<FluxConfig, TrainError> {
     })
 }
 
-/// The text encoders, on `device` in the model's dtype.
-pub(crate) fn text_encoders<B: Backend>(
+/// The text encoders in the model's dtype, on `device`; with a `stream`, T5's `Linear` weights
+/// are streamed weights in host memory instead (loaded there directly from files).
+pub(crate) fn text_encoders<B: StreamTarget>(
     plan: &TrainPlan,
     device: &B::Device,
-) -> Result<TextEncoders<B>, TrainError> {
+    stream: Option<&WeightStream<Offload<B>>>,
+) -> Result<TextEncoders<Offload<B>>, TrainError> {
     let t5_tokens = match &plan.model.source {
         ModelSource::Tiny => TINY_TOKENS,
         // FluxPipeline's max_sequence_length: 512 for dev, 256 for schnell.
@@ -64,7 +67,7 @@ pub(crate) fn text_encoders<B: Backend>(
     let seed = plan.train.seed;
     let (clip, t5) = match &plan.model.source {
         ModelSource::Tiny => {
-            B::seed(device, seed ^ 2);
+            Offload::<B>::seed(device, seed ^ 2);
             let clip = ClipTextConfig {
                 vocab_size: 4096,
                 hidden_size: 32,
@@ -77,9 +80,9 @@ pub(crate) fn text_encoders<B: Backend>(
                 eos_token_id: 2,
                 projection_dim: None,
             }
-            .init::<B>(device);
+            .init(device);
             let clip = materialize(clip, dtype);
-            B::seed(device, seed ^ 3);
+            Offload::<B>::seed(device, seed ^ 3);
             let t5 = T5Config {
                 vocab_size: 4096,
                 d_model: 32,
@@ -91,19 +94,31 @@ pub(crate) fn text_encoders<B: Backend>(
                 relative_attention_max_distance: 16,
                 layer_norm_epsilon: 1e-6,
             }
-            .init::<B>(device);
+            .init(device);
             (clip, materialize(t5, dtype))
         }
         ModelSource::Random { .. } => {
-            B::seed(device, seed ^ 2);
-            let clip = materialize(ClipTextConfig::clip_l().init::<B>(device), dtype);
-            B::seed(device, seed ^ 3);
-            (clip, materialize(T5Config::xxl().init::<B>(device), dtype))
+            Offload::<B>::seed(device, seed ^ 2);
+            let clip = materialize(ClipTextConfig::clip_l().init(device), dtype);
+            Offload::<B>::seed(device, seed ^ 3);
+            (clip, materialize(T5Config::xxl().init(device), dtype))
         }
-        ModelSource::Path(path) => (
-            ClipTextModel::load(path, device, dtype)?,
-            T5Encoder::load(path, device, dtype)?,
-        ),
+        ModelSource::Path(path) => {
+            let clip = ClipTextModel::load(path, device, dtype)?;
+            let t5 = match stream {
+                Some(stream) => T5Encoder::load_with(path, device, dtype, &mut |name, data| {
+                    stream
+                        .streamed_tensor::<2>(name, data)
+                        .map_err(|e| e.to_string())
+                })?,
+                None => T5Encoder::load(path, device, dtype)?,
+            };
+            (clip, t5)
+        }
+    };
+    let t5 = match stream {
+        Some(stream) => stream.stream_frozen(t5)?,
+        None => t5,
     };
     Ok(TextEncoders {
         clip,
@@ -158,6 +173,25 @@ pub(crate) fn transformer<B: StreamTarget>(
         _ => materialize(flux_config(plan)?.init(device), dtype),
     };
     Ok(flux.no_grad())
+}
+
+/// The weight stream's configuration, or `None` when every weight stays on the device.
+pub(crate) fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
+    let model = &plan.model;
+    if model.vram_budget_bytes.is_none() && model.wire.is_none() {
+        return None;
+    }
+    let wire = match model.wire {
+        None => WireFormat::Native,
+        Some(Fp8Format::E5M2) => WireFormat::E5M2,
+        Some(Fp8Format::E4M3) => WireFormat::E4M3,
+    };
+    Some(
+        OffloadConfig::default()
+            .with_vram_budget(model.vram_budget_bytes.unwrap_or(u64::MAX))
+            .with_ring_slots(model.ring_slots)
+            .with_wire(wire),
+    )
 }
 
 /// The base model's float dtype.

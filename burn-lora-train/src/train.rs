@@ -32,8 +32,7 @@ use burn_diffusion::flux::{Flux, FluxInput};
 use burn_diffusion::pipeline::{image_ids, pack_latents, text_ids};
 use burn_diffusion::{BlockTape, Checkpointing, LoadError};
 use burn_lora::{LoraError, LoraMetadata, SaveOptions};
-use burn_offload::{Offload, OffloadConfig, OffloadError, StreamTarget, WeightStream, WireFormat};
-use burn_quant::Fp8Format;
+use burn_offload::{Offload, OffloadError, StreamTarget, WeightStream};
 
 use crate::cache::{self, Prepared};
 use crate::checkpoint::{CheckpointError, RunDir, TrainingState};
@@ -135,7 +134,7 @@ pub fn train<B: StreamTarget>(
     let prepared = cache::prepare::<B>(plan, &dataset, device)?;
 
     let start = Instant::now();
-    let stream = offload_config(plan)
+    let stream = models::offload_config(plan)
         .map(|config| WeightStream::<TrainBackend<B>>::new(device, config))
         .transpose()?;
     let flux = models::transformer::<B>(plan, device, stream.as_ref())?;
@@ -304,25 +303,6 @@ fn base_model_name(plan: &TrainPlan) -> String {
         ModelSource::Random { guidance: false } => "random:flux1-schnell".to_string(),
         ModelSource::Path(path) => path.display().to_string(),
     }
-}
-
-/// The weight stream's configuration, or `None` when every weight stays on the device.
-fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
-    let model = &plan.model;
-    if model.vram_budget_bytes.is_none() && model.wire.is_none() {
-        return None;
-    }
-    let wire = match model.wire {
-        None => WireFormat::Native,
-        Some(Fp8Format::E5M2) => WireFormat::E5M2,
-        Some(Fp8Format::E4M3) => WireFormat::E4M3,
-    };
-    Some(
-        OffloadConfig::default()
-            .with_vram_budget(model.vram_budget_bytes.unwrap_or(u64::MAX))
-            .with_ring_slots(model.ring_slots)
-            .with_wire(wire),
-    )
 }
 
 /// A step's streaming in a few words: device memory, upload volume and rate.

@@ -96,7 +96,13 @@ impl<B: Backend> ClipTextModel<B> {
         let files = Checkpoint::open(&folder)?;
         let projection = config.projection_dim.is_some();
         let tensors = NamedTensors::new(files, &folder, |key| canonical(key, projection))?;
-        tensors.load(config.init::<B>(device), str::to_string, device, dtype)
+        tensors.load(
+            config.init::<B>(device),
+            str::to_string,
+            device,
+            dtype,
+            None,
+        )
     }
 
     /// The model's configuration.

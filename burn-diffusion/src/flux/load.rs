@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use super::keys::{LinearKeys, RowRange, VectorKeys, linear_keys, vector_keys};
 use super::{Flux, FluxConfig};
 use crate::error::{KeyReport, LoadError, ShapeMismatch};
+use crate::weights::PlaceWeight;
 
 /// Prefix of the transformer's keys in ComfyUI's all-in-one checkpoints.
 const COMFY_PREFIX: &str = "model.diffusion_model.";
@@ -176,10 +177,6 @@ impl<B: Backend> Flux<B> {
         FluxCheckpoint::open(path)?.load(device, dtype)
     }
 }
-
-/// Where [`FluxCheckpoint::load_with`] puts a weight matrix: given its parameter path and its
-/// values (Burn's layout, the model's dtype), the tensor the model holds, or why not.
-pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
 
 /// One tensor to read: rows `rows` of `key` (a tensor of `len` rows) go to rows `to..` of the
 /// parameter.

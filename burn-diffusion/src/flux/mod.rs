@@ -10,7 +10,7 @@ mod run;
 pub use config::FluxConfig;
 pub use keys::{LinearKeys, RowRange, linear_keys};
 pub(crate) use load::read_f32;
-pub use load::{FluxCheckpoint, Layout, PlaceWeight};
+pub use load::{FluxCheckpoint, Layout};
 pub use model::{
     DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpEmbedder, ModulationLinear, QkNorm,
     RmsNorm, SelfAttention, SingleStreamBlock,

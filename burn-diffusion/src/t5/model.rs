@@ -14,7 +14,7 @@ use burn_quant::Checkpoint;
 use super::T5Config;
 use crate::blocks::{ScoreBias, attention, gelu_tanh, rms_norm};
 use crate::error::LoadError;
-use crate::weights::{NamedTensors, component_folder};
+use crate::weights::{NamedTensors, PlaceWeight, component_folder};
 
 /// The encoder of a T5 v1.1 model (`T5EncoderModel`; FLUX.1's `text_encoder_2`).
 ///
@@ -54,6 +54,27 @@ impl<B: Backend> T5Encoder<B> {
     /// inferred ([`T5Config::from_keys`]). The weights go to `device` in `dtype`. A decoder in
     /// the files (a full T5 checkpoint) is ignored.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
+        Self::load_placed(path, device, dtype, None)
+    }
+
+    /// As [`T5Encoder::load`], but every `Linear` weight (Burn's layout, in `dtype`) is handed
+    /// to `place`, by parameter path, instead of being uploaded to `device` (T5-XXL's 9.5 GB
+    /// can then stay in host memory and stream to a small GPU).
+    pub fn load_with(
+        path: &Path,
+        device: &B::Device,
+        dtype: FloatDType,
+        place: &mut PlaceWeight<'_, B>,
+    ) -> Result<Self, LoadError> {
+        Self::load_placed(path, device, dtype, Some(place))
+    }
+
+    fn load_placed(
+        path: &Path,
+        device: &B::Device,
+        dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
+    ) -> Result<Self, LoadError> {
         let (source, config) = if path.is_dir() {
             let folder = component_folder(path, "text_encoder_2").ok_or_else(|| {
                 LoadError::UnknownLayout {
@@ -72,7 +93,13 @@ impl<B: Backend> T5Encoder<B> {
             Some(config) => config,
             None => T5Config::from_keys(&source, tensors.names(), |name| tensors.shape(name))?,
         };
-        tensors.load(config.init::<B>(device), parameter_name, device, dtype)
+        tensors.load(
+            config.init::<B>(device),
+            parameter_name,
+            device,
+            dtype,
+            place,
+        )
     }
 
     /// The model's configuration.

@@ -71,7 +71,8 @@ impl VaeCheckpoint {
         dtype: FloatDType,
     ) -> Result<AutoencoderKl<B>, LoadError> {
         let model = self.config.init::<B>(device);
-        self.tensors.load(model, parameter_name, device, dtype)
+        self.tensors
+            .load(model, parameter_name, device, dtype, None)
     }
 }
 

@@ -249,3 +249,21 @@ fn a_missing_file_is_an_error_naming_it() {
     let err = TrainYaml::load_with_env(Path::new("/no/such/train.yaml"), []).unwrap_err();
     assert!(err.to_string().contains("/no/such/train.yaml"), "{err}");
 }
+
+/// The shipped recipes: the benchmark configuration validates as it is; the FLUX.1-dev recipe
+/// fails only on the two paths a user fills in (the model folder and the dataset).
+#[test]
+fn the_example_configurations_validate() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let bench = load(&examples.join("flux/bench.yaml"), &[]).unwrap();
+    assert_eq!(
+        bench.model.source,
+        burn_lora_train::config::ModelSource::Random { guidance: true }
+    );
+    assert!(bench.model.tokenizers.ends_with("tiny"));
+    assert_eq!(bench.datasets[0].resolutions, [1024]);
+
+    let error = load(&examples.join("flux/config.yaml"), &[]).unwrap_err();
+    let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["model.path", "datasets[0].folder_path"], "{error}");
+}

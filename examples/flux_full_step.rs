@@ -6,9 +6,9 @@
 //! weights move to page-locked host memory and stream through burn-offload's ring, all but
 //! those that fit in an X GB VRAM budget (`--wire e5m2` sends them as FP8).
 //!
-//! Until LoRA adapters exist, the trainable parameters of the step are the two input embedders
-//! (`img_in`, `txt_in`; 13 M parameters): every block is frozen but the gradient still flows back
-//! through all of them, as it does for LoRA, and AdamW updates the embedders.
+//! The trainable parameters are LoRA adapters of rank 32 (alpha 32) on every Linear of the
+//! double and single blocks (304 layers, 153 M parameters), as in the PyTorch anchor's step; AdamW
+//! updates them.
 //!
 //! ```text
 //! cargo run --release --features cuda --example flux_full_step -- \
@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Cuda};
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, FloatDType, IntDType, Tensor, TensorData};
 use burn_diffusion::flux::{Flux, FluxConfig, FluxInput};
 use burn_diffusion::{BlockTape, Checkpointing};
+use burn_lora::{LoraConfig, LoraPlan};
 use burn_offload::{Offload, OffloadConfig, WeightStream, WireFormat};
 
 struct Args {
@@ -234,39 +235,32 @@ fn main() {
     }
 }
 
-/// The model with random bf16 weights, created on the device; frozen but for the two input
-/// projections.
+/// The model with random bf16 weights, created on the device and frozen, with trainable LoRA
+/// adapters on the blocks.
 fn create<B: Backend>(device: &B::Device, peak: &dyn Fn() -> f64) -> Flux<Autodiff<B>> {
     burn::tensor::set_default_dtypes::<B>(device, FloatDType::BF16, IntDType::I32)
         .expect("bf16 as the default float type");
     let config = FluxConfig::dev();
     let start = Instant::now();
-    let mut model: Flux<Autodiff<B>> = config.init(device).no_grad();
-    model.img_in = model.img_in.map(&mut Unfreeze);
-    model.txt_in = model.txt_in.map(&mut Unfreeze);
+    let model: Flux<Autodiff<B>> = config.init(device).no_grad();
+    let plan = LoraPlan::new(LoraConfig::new(32))
+        .and_then(|plan| plan.include("double_blocks"))
+        .and_then(|plan| plan.include("single_blocks"))
+        .expect("a valid LoRA plan");
+    let (model, applied) = plan.apply(model);
     materialize(&model);
     B::sync(device).unwrap();
     let params = model.num_params();
     println!(
-        "FLUX.1-dev shape: {:.2} B parameters ({:.1} GB bf16), created in {:.1} s; peak {:.1} GB",
-        params as f64 / 1e9,
-        params as f64 * 2.0 / 1e9,
+        "FLUX.1-dev shape: {:.2} B parameters ({:.1} GB bf16) with {} LoRA layers ({:.1} M trainable), created in {:.1} s; peak {:.1} GB",
+        (params - applied.params()) as f64 / 1e9,
+        (params - applied.params()) as f64 * 2.0 / 1e9,
+        applied.count(),
+        applied.params() as f64 / 1e6,
         start.elapsed().as_secs_f64(),
         peak()
     );
     model
-}
-
-/// Makes every parameter of a module trainable.
-struct Unfreeze;
-
-impl<B: Backend> ModuleMapper<Autodiff<B>> for Unfreeze {
-    fn map_float<const D: usize>(
-        &mut self,
-        param: Param<Tensor<Autodiff<B>, D>>,
-    ) -> Param<Tensor<Autodiff<B>, D>> {
-        param.set_require_grad(true)
-    }
 }
 
 /// Two forward passes, then `args.steps` checkpointed training steps.

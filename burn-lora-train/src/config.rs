@@ -148,10 +148,24 @@ pub struct NetworkYaml {
 pub struct ModelYaml {
     /// Architecture: `flux1` (FLUX.1 dev / schnell).
     pub arch: String,
-    /// A diffusers folder, relative to the config file; the word `tiny` builds a small random
-    /// model instead (for trying the tool), and `random:flux1-dev` / `random:flux1-schnell` a
-    /// full-size one with random weights (for measuring speed and memory).
+    /// A diffusers folder, or the transformer's single file (BFL layout, FP8 included) with the
+    /// other components given below, relative to the config file; the word `tiny` builds a
+    /// small random model instead (for trying the tool), and `random:flux1-dev` /
+    /// `random:flux1-schnell` a full-size one with random weights (for measuring speed and
+    /// memory).
     pub path: PathBuf,
+    /// The transformer, when not the one of `path`: a folder or a single file.
+    #[serde(default)]
+    pub transformer: Option<PathBuf>,
+    /// The VAE, when not the one of `path`: a folder or a single file (`ae.safetensors`).
+    #[serde(default)]
+    pub vae: Option<PathBuf>,
+    /// CLIP-L, when not the one of `path`: a folder or a single file (`clip_l.safetensors`).
+    #[serde(default)]
+    pub text_encoder: Option<PathBuf>,
+    /// T5-XXL, when not the one of `path`: a folder or a single file (`t5xxl_fp16.safetensors`).
+    #[serde(default)]
+    pub text_encoder_2: Option<PathBuf>,
     /// Folder holding the tokenizers as a diffusers folder does (`tokenizer/` for CLIP,
     /// `tokenizer_2/` for T5), relative to the config file; default: `path` for a diffusers
     /// folder, the config file's folder for `tiny` and `random:` models.
@@ -526,8 +540,34 @@ pub enum ModelSource {
         /// Whether the transformer has FLUX.1-dev's guidance embedding.
         guidance: bool,
     },
-    /// A diffusers folder (absolute).
-    Path(PathBuf),
+    /// Files on disk.
+    Files(ModelFiles),
+}
+
+/// Where each component of a FLUX.1 model is read from (absolute paths): a diffusers pipeline
+/// folder, the component's own folder, or a single file, as each loader accepts them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelFiles {
+    /// The transformer.
+    pub transformer: PathBuf,
+    /// The VAE.
+    pub vae: PathBuf,
+    /// CLIP-L.
+    pub text_encoder: PathBuf,
+    /// T5-XXL.
+    pub text_encoder_2: PathBuf,
+}
+
+impl ModelFiles {
+    /// Every component from one diffusers pipeline folder.
+    pub fn pipeline(folder: &Path) -> Self {
+        Self {
+            transformer: folder.to_path_buf(),
+            vae: folder.to_path_buf(),
+            text_encoder: folder.to_path_buf(),
+            text_encoder_2: folder.to_path_buf(),
+        }
+    }
 }
 
 /// The base model, validated.
@@ -957,10 +997,35 @@ fn check_model(
     resolve: &dyn Fn(&Path) -> PathBuf,
 ) -> Option<ModelPlan> {
     let arch = c.choose("model.arch", &m.arch, &[("flux1", Arch::Flux1)]);
+    let overrides = [
+        ("model.transformer", &m.transformer),
+        ("model.vae", &m.vae),
+        ("model.text_encoder", &m.text_encoder),
+        ("model.text_encoder_2", &m.text_encoder_2),
+    ];
+    let random = |c: &mut Checker| {
+        for (field, path) in overrides {
+            if path.is_some() {
+                c.fail(
+                    field,
+                    "only with a model folder or file in model.path".to_string(),
+                );
+            }
+        }
+    };
     let source = match m.path.to_str() {
-        Some("tiny") => Some(ModelSource::Tiny),
-        Some("random:flux1-dev") => Some(ModelSource::Random { guidance: true }),
-        Some("random:flux1-schnell") => Some(ModelSource::Random { guidance: false }),
+        Some("tiny") => {
+            random(c);
+            Some(ModelSource::Tiny)
+        }
+        Some("random:flux1-dev") => {
+            random(c);
+            Some(ModelSource::Random { guidance: true })
+        }
+        Some("random:flux1-schnell") => {
+            random(c);
+            Some(ModelSource::Random { guidance: false })
+        }
         Some(other) if other.starts_with("random:") => {
             c.fail(
                 "model.path",
@@ -970,26 +1035,12 @@ fn check_model(
             );
             None
         }
-        _ => {
-            let path = resolve(&m.path);
-            if path.is_dir() {
-                Some(ModelSource::Path(path))
-            } else {
-                c.fail(
-                    "model.path",
-                    format!(
-                        "{} is not a folder; expected a diffusers folder (transformer/, vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/), `tiny` or `random:flux1-dev`",
-                        path.display()
-                    ),
-                );
-                None
-            }
-        }
+        _ => model_files(c, &resolve(&m.path), overrides, resolve).map(ModelSource::Files),
     };
-    let tokenizers = match (&m.tokenizers, &source) {
-        (Some(folder), _) => Some(resolve(folder)),
-        (None, Some(ModelSource::Path(path))) => Some(path.clone()),
-        (None, _) => Some(resolve(Path::new("."))),
+    let tokenizers = match &m.tokenizers {
+        Some(folder) => Some(resolve(folder)),
+        None if resolve(&m.path).is_dir() => Some(resolve(&m.path)),
+        None => Some(resolve(Path::new("."))),
     };
     let tokenizers = tokenizers.and_then(|folder| {
         let found = ["tokenizer", "tokenizer_2"]
@@ -1045,6 +1096,61 @@ fn check_model(
         wire: wire?,
         vram_budget_bytes: budget?,
         ring_slots: slots?,
+    })
+}
+
+/// The component files of a model whose `model.path` is `path` (a folder, or the transformer's
+/// file), with the overrides resolved and checked.
+fn model_files(
+    c: &mut Checker,
+    path: &Path,
+    overrides: [(&str, &Option<PathBuf>); 4],
+    resolve: &dyn Fn(&Path) -> PathBuf,
+) -> Option<ModelFiles> {
+    let folder = path.is_dir();
+    if !folder && !path.is_file() {
+        c.fail(
+            "model.path",
+            format!(
+                "{} does not exist; expected a diffusers folder (transformer/, vae/, text_encoder/, text_encoder_2/), the transformer's file, `tiny` or `random:flux1-dev`",
+                path.display()
+            ),
+        );
+        return None;
+    }
+    let mut resolved = Vec::with_capacity(4);
+    for (field, given) in overrides {
+        let component = match given {
+            Some(p) => resolve(p),
+            None if folder => path.to_path_buf(),
+            None if field == "model.transformer" => path.to_path_buf(),
+            None => {
+                c.fail(
+                    field,
+                    format!(
+                        "required when model.path is a single file ({}): a folder or a single file",
+                        path.display()
+                    ),
+                );
+                resolved.push(None);
+                continue;
+            }
+        };
+        if component.exists() {
+            resolved.push(Some(component));
+        } else {
+            c.fail(field, format!("{} does not exist", component.display()));
+            resolved.push(None);
+        }
+    }
+    let mut resolved = resolved.into_iter();
+    let mut next = || resolved.next().flatten();
+    let (transformer, vae, text_encoder, text_encoder_2) = (next(), next(), next(), next());
+    Some(ModelFiles {
+        transformer: transformer?,
+        vae: vae?,
+        text_encoder: text_encoder?,
+        text_encoder_2: text_encoder_2?,
     })
 }
 

@@ -39,7 +39,7 @@ pub(crate) fn flux_config(plan: &TrainPlan) -> Result<FluxConfig, TrainError> {
         ModelSource::Tiny => FluxConfig::new(64, 64, 32, 32, 32, 2, 2, 2, vec![4, 6, 6], true),
         ModelSource::Random { guidance: true } => FluxConfig::dev(),
         ModelSource::Random { guidance: false } => FluxConfig::schnell(),
-        ModelSource::Path(path) => FluxCheckpoint::open(path)?.config().clone(),
+        ModelSource::Files(files) => FluxCheckpoint::open(&files.transformer)?.config().clone(),
     })
 }
 
@@ -103,8 +103,9 @@ pub(crate) fn text_encoders<B: StreamTarget>(
             Offload::<B>::seed(device, seed ^ 3);
             (clip, materialize(T5Config::xxl().init(device), dtype))
         }
-        ModelSource::Path(path) => {
-            let clip = ClipTextModel::load(path, device, dtype)?;
+        ModelSource::Files(files) => {
+            let clip = ClipTextModel::load(&files.text_encoder, device, dtype)?;
+            let path = &files.text_encoder_2;
             let t5 = match stream {
                 Some(stream) => T5Encoder::load_with(path, device, dtype, &mut |name, data| {
                     stream
@@ -146,7 +147,7 @@ pub(crate) fn vae<B: Backend>(
             materialize(config.init::<B>(device), dtype)
         }
         ModelSource::Random { .. } => materialize(VaeConfig::flux().init::<B>(device), dtype),
-        ModelSource::Path(path) => VaeCheckpoint::open(path)?.load(device, dtype)?,
+        ModelSource::Files(files) => VaeCheckpoint::open(&files.vae)?.load(device, dtype)?,
     })
 }
 
@@ -162,14 +163,13 @@ pub(crate) fn transformer<B: StreamTarget>(
     let dtype = float_dtype(plan);
     TrainBackend::<B>::seed(device, plan.train.seed ^ 4);
     let flux = match (&plan.model.source, stream) {
-        (ModelSource::Path(path), Some(stream)) => {
-            FluxCheckpoint::open(path)?.load_with(device, dtype, &mut |name, data| {
+        (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(&files.transformer)?
+            .load_with(device, dtype, &mut |name, data| {
                 stream
                     .streamed_tensor::<2>(name, data)
                     .map_err(|e| e.to_string())
-            })?
-        }
-        (ModelSource::Path(path), None) => Flux::load(path, device, dtype)?,
+            })?,
+        (ModelSource::Files(files), None) => Flux::load(&files.transformer, device, dtype)?,
         _ => materialize(flux_config(plan)?.init(device), dtype),
     };
     Ok(flux.no_grad())

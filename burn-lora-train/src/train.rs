@@ -301,7 +301,7 @@ fn base_model_name(plan: &TrainPlan) -> String {
         ModelSource::Tiny => "tiny".to_string(),
         ModelSource::Random { guidance: true } => "random:flux1-dev".to_string(),
         ModelSource::Random { guidance: false } => "random:flux1-schnell".to_string(),
-        ModelSource::Path(path) => path.display().to_string(),
+        ModelSource::Files(files) => files.transformer.display().to_string(),
     }
 }
 

@@ -174,7 +174,7 @@ fn impossible_values_say_what_is_allowed() {
         (
             ("path: tiny", "path: missing.safetensors"),
             "model.path",
-            "is not a folder",
+            "does not exist",
         ),
         (
             ("linear_alpha:", "linear_alpha: -1"),
@@ -266,4 +266,31 @@ fn the_example_configurations_validate() {
     let error = load(&examples.join("flux/config.yaml"), &[]).unwrap_err();
     let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
     assert_eq!(fields, ["model.path", "datasets[0].folder_path"], "{error}");
+}
+
+/// A transformer file as `model.path` needs the other components; a built-in model takes none.
+#[test]
+fn component_files_are_checked() {
+    let c = case(&GOOD.replace("path: tiny", "path: flux1-dev.safetensors"));
+    std::fs::write(c.dir.path().join("flux1-dev.safetensors"), b"").unwrap();
+    let error = load(&c.file, &[]).unwrap_err();
+    let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        ["model.vae", "model.text_encoder", "model.text_encoder_2"],
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("required when model.path is a single file")
+    );
+
+    let (field, message) =
+        problem(&GOOD.replace("path: tiny", "path: tiny\n  vae: ae.safetensors"));
+    assert_eq!(field, "model.vae");
+    assert!(
+        message.contains("only with a model folder or file"),
+        "{message}"
+    );
 }

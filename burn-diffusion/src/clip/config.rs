@@ -119,6 +119,67 @@ impl ClipTextConfig {
     }
 }
 
+impl ClipTextConfig {
+    /// Infers the configuration of a single-file text encoder (ComfyUI's `clip_l.safetensors`)
+    /// from its tensors (`names`, canonical: without the `text_model.` prefix, and their shapes).
+    ///
+    /// Sizes come from the shapes; what the shapes do not tell follows the two encoders such
+    /// files hold: 64-wide heads, `quick_gelu` for OpenAI's 768-wide CLIP-L and `gelu` for
+    /// OpenCLIP's wider bigG, FLUX.1's end-of-text rule, and no text projection (the pooled
+    /// output FLUX.1 uses).
+    pub fn from_keys<'a>(
+        file: &Path,
+        names: impl Iterator<Item = &'a str>,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<Self, LoadError> {
+        let error = |message: String| LoadError::Config {
+            file: file.to_path_buf(),
+            message,
+        };
+        let dims = |name: &str| -> Result<[usize; 2], LoadError> {
+            match shape_of(name).as_deref() {
+                Some(&[rows, cols]) => Ok([rows, cols]),
+                Some(shape) => Err(error(format!("`{name}` is {shape:?}, expected rank 2"))),
+                None => Err(error(format!(
+                    "cannot infer the CLIP config: `{name}` is missing"
+                ))),
+            }
+        };
+        let num_hidden_layers = names
+            .filter_map(|name| name.strip_prefix("encoder.layers."))
+            .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+            .max()
+            .map_or(0, |last| last + 1);
+        let [vocab_size, hidden_size] = dims("embeddings.token_embedding.weight")?;
+        let [max_position_embeddings, _] = dims("embeddings.position_embedding.weight")?;
+        let [intermediate_size, _] = dims("encoder.layers.0.mlp.fc1.weight")?;
+        if !hidden_size.is_multiple_of(CLIP_HEAD_DIM) {
+            return Err(error(format!(
+                "hidden size {hidden_size} is not a multiple of the {CLIP_HEAD_DIM}-wide heads of CLIP-L and bigG; use a folder with config.json"
+            )));
+        }
+        Ok(Self {
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads: hidden_size / CLIP_HEAD_DIM,
+            max_position_embeddings,
+            hidden_act: if hidden_size == 768 {
+                ClipActivation::QuickGelu
+            } else {
+                ClipActivation::Gelu
+            },
+            layer_norm_eps: 1e-5,
+            eos_token_id: 2,
+            projection_dim: None,
+        })
+    }
+}
+
+/// Head width of the CLIP text encoders single files hold (CLIP-L, bigG).
+const CLIP_HEAD_DIM: usize = 64;
+
 /// The fields of transformers' `CLIPTextConfig` that the model uses (defaults are
 /// transformers' own).
 #[derive(Deserialize)]
@@ -171,5 +232,72 @@ mod tests {
     #[test]
     fn clip_l_has_64_wide_heads() {
         assert_eq!(ClipTextConfig::clip_l().head_dim(), 64);
+    }
+
+    /// The tensors of a CLIP text encoder of the given sizes: names and shapes.
+    fn tensors(hidden: usize, layers: usize) -> Vec<(String, Vec<usize>)> {
+        let mut t = vec![
+            (
+                "embeddings.token_embedding.weight".into(),
+                vec![49408, hidden],
+            ),
+            (
+                "embeddings.position_embedding.weight".into(),
+                vec![77, hidden],
+            ),
+            ("final_layer_norm.weight".into(), vec![hidden]),
+        ];
+        for i in 0..layers {
+            t.push((
+                format!("encoder.layers.{i}.mlp.fc1.weight"),
+                vec![4 * hidden, hidden],
+            ));
+            t.push((
+                format!("encoder.layers.{i}.self_attn.q_proj.weight"),
+                vec![hidden, hidden],
+            ));
+        }
+        t
+    }
+
+    fn infer(tensors: &[(String, Vec<usize>)]) -> Result<ClipTextConfig, LoadError> {
+        ClipTextConfig::from_keys(
+            Path::new("clip_l.safetensors"),
+            tensors.iter().map(|(n, _)| n.as_str()),
+            |name| {
+                tensors
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, s)| s.clone())
+            },
+        )
+    }
+
+    #[test]
+    fn a_clip_l_file_gives_the_clip_l_config() {
+        assert_eq!(infer(&tensors(768, 12)).unwrap(), ClipTextConfig::clip_l());
+        let big_g = infer(&tensors(1280, 32)).unwrap();
+        assert_eq!(
+            (
+                big_g.num_attention_heads,
+                big_g.hidden_act,
+                big_g.num_hidden_layers
+            ),
+            (20, ClipActivation::Gelu, 32)
+        );
+    }
+
+    #[test]
+    fn an_unknown_clip_file_is_an_error_naming_it() {
+        let error = infer(&tensors(32, 2)).unwrap_err().to_string();
+        assert!(
+            error.contains("clip_l.safetensors") && error.contains("hidden size 32"),
+            "{error}"
+        );
+        let missing = infer(&tensors(768, 12)[1..]).unwrap_err().to_string();
+        assert!(
+            missing.contains("embeddings.token_embedding.weight"),
+            "{missing}"
+        );
     }
 }

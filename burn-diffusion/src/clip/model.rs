@@ -84,18 +84,31 @@ impl ClipTextConfig {
 
 impl<B: Backend> ClipTextModel<B> {
     /// Loads transformers' text-encoder folder (a pipeline folder with `text_encoder/`, or the
-    /// folder itself: `config.json` and its safetensors) with its weights in `dtype` on
-    /// `device`. Keys may carry the `text_model.` prefix; a text projection or vision tower in
-    /// the files is ignored when the config does not use it.
+    /// folder itself: `config.json` and its safetensors), or a single `.safetensors` file
+    /// (ComfyUI's `clip_l.safetensors`), whose configuration is inferred
+    /// ([`ClipTextConfig::from_keys`]). The weights go to `device` in `dtype`. Keys may carry
+    /// the `text_model.` prefix; a text projection or vision tower in the files is ignored when
+    /// the config does not use it.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
-        let folder =
-            component_folder(path, "text_encoder").ok_or_else(|| LoadError::UnknownLayout {
-                path: path.to_path_buf(),
-            })?;
-        let config = ClipTextConfig::from_json(&folder.join("config.json"))?;
-        let files = Checkpoint::open(&folder)?;
-        let projection = config.projection_dim.is_some();
-        let tensors = NamedTensors::new(files, &folder, |key| canonical(key, projection))?;
+        let (source, config) = if path.is_dir() {
+            let folder =
+                component_folder(path, "text_encoder").ok_or_else(|| LoadError::UnknownLayout {
+                    path: path.to_path_buf(),
+                })?;
+            let config = ClipTextConfig::from_json(&folder.join("config.json"))?;
+            (folder, Some(config))
+        } else {
+            (path.to_path_buf(), None)
+        };
+        let files = Checkpoint::open(&source)?;
+        let projection = config.as_ref().is_some_and(|c| c.projection_dim.is_some());
+        let tensors = NamedTensors::new(files, &source, |key| canonical(key, projection))?;
+        let config = match config {
+            Some(config) => config,
+            None => {
+                ClipTextConfig::from_keys(&source, tensors.names(), |name| tensors.shape(name))?
+            }
+        };
         tensors.load(
             config.init::<B>(device),
             str::to_string,

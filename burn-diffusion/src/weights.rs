@@ -25,6 +25,26 @@ use crate::flux::read_f32;
 /// the device loads straight into host memory.
 pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
 
+/// `data` as a parameter's tensor: handed to `place` when given (which takes matrices only),
+/// else uploaded to `device`; in `dtype` either way. `Err` is the placement's refusal.
+pub(crate) fn place_or_upload<B: Backend, const D: usize>(
+    place: Option<&mut PlaceWeight<'_, B>>,
+    name: &str,
+    data: TensorData,
+    device: &B::Device,
+    dtype: DType,
+) -> Result<Tensor<B, D>, String> {
+    match place {
+        Some(place) => {
+            let matrix = place(name, data.convert_dtype(dtype))?;
+            Ok(Tensor::from_primitive(matrix.into_primitive()))
+        }
+        None => Ok(B::memory_persistent_allocations(device, data, |data| {
+            Tensor::from_data(data, (device, dtype))
+        })),
+    }
+}
+
 /// The tensors of a checkpoint under their canonical names.
 pub(crate) struct NamedTensors {
     files: Checkpoint,
@@ -107,6 +127,50 @@ impl NamedTensors {
     }
 }
 
+/// The tensor shapes of a single file, from which a loader infers the model's configuration
+/// (`model` names the model in errors).
+pub(crate) struct KeyShapes<'a, F> {
+    pub file: &'a Path,
+    pub model: &'static str,
+    pub shape_of: F,
+}
+
+impl<F: Fn(&str) -> Option<Vec<usize>>> KeyShapes<'_, F> {
+    /// A configuration error about the file.
+    pub fn error(&self, message: String) -> LoadError {
+        LoadError::Config {
+            file: self.file.to_path_buf(),
+            message,
+        }
+    }
+
+    /// The shape of `name`, which must have `rank` dimensions.
+    pub fn shape(&self, name: &str, rank: usize) -> Result<Vec<usize>, LoadError> {
+        match (self.shape_of)(name) {
+            Some(shape) if shape.len() == rank => Ok(shape),
+            Some(shape) => Err(self.error(format!("`{name}` is {shape:?}, expected rank {rank}"))),
+            None => Err(self.error(format!(
+                "cannot infer the {} config: `{name}` is missing",
+                self.model
+            ))),
+        }
+    }
+
+    /// `[rows, columns]` of the matrix `name`.
+    pub fn matrix(&self, name: &str) -> Result<[usize; 2], LoadError> {
+        self.shape(name, 2).map(|s| [s[0], s[1]])
+    }
+}
+
+/// How many numbered children `<prefix><n>.` the names hold: one more than the largest `n`.
+pub(crate) fn numbered<'a>(names: impl Iterator<Item = &'a str>, prefix: &str) -> usize {
+    names
+        .filter_map(|name| name.strip_prefix(prefix))
+        .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+        .max()
+        .map_or(0, |last| last + 1)
+}
+
 /// The model folder of a pipeline component: `path/component` when it holds a
 /// `config.json`, else `path` itself when it does.
 pub(crate) fn component_folder(path: &Path, component: &str) -> Option<PathBuf> {
@@ -176,23 +240,19 @@ impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, '_, '_, B
         let Some(data) = self.read(&name, &shape, linear_weight) else {
             return param;
         };
+        let place = self
+            .place
+            .as_deref_mut()
+            .filter(|_| linear_weight && D == 2);
         let dtype = DType::from(self.dtype);
-        let tensor = match self.place.as_mut().filter(|_| linear_weight && D == 2) {
-            Some(place) => match place(&name, data.convert_dtype(dtype)) {
-                Ok(matrix) => Tensor::<B, D>::from_primitive(matrix.into_primitive()),
-                Err(message) => {
-                    self.failure.get_or_insert(LoadError::Config {
-                        file: self.source.path.clone(),
-                        message: format!("{name}: {message}"),
-                    });
-                    return param;
-                }
-            },
-            None => {
-                let device = self.device.clone();
-                B::memory_persistent_allocations(&device, data, |data| {
-                    Tensor::<B, D>::from_data(data, (&device, dtype))
-                })
+        let tensor = match place_or_upload(place, &name, data, &self.device, dtype) {
+            Ok(tensor) => tensor,
+            Err(message) => {
+                self.failure.get_or_insert(LoadError::Config {
+                    file: self.source.path.clone(),
+                    message: format!("{name}: {message}"),
+                });
+                return param;
             }
         };
         let id = param.id;

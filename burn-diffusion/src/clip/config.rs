@@ -6,7 +6,7 @@ use burn::config::Config;
 use serde::{Deserialize, Serialize};
 
 use crate::error::LoadError;
-use crate::weights::read_json;
+use crate::weights::{KeyShapes, numbered, read_json};
 
 /// The activation of CLIP's MLPs (`hidden_act`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -132,29 +132,17 @@ impl ClipTextConfig {
         names: impl Iterator<Item = &'a str>,
         shape_of: impl Fn(&str) -> Option<Vec<usize>>,
     ) -> Result<Self, LoadError> {
-        let error = |message: String| LoadError::Config {
-            file: file.to_path_buf(),
-            message,
+        let shapes = KeyShapes {
+            file,
+            model: "CLIP",
+            shape_of,
         };
-        let dims = |name: &str| -> Result<[usize; 2], LoadError> {
-            match shape_of(name).as_deref() {
-                Some(&[rows, cols]) => Ok([rows, cols]),
-                Some(shape) => Err(error(format!("`{name}` is {shape:?}, expected rank 2"))),
-                None => Err(error(format!(
-                    "cannot infer the CLIP config: `{name}` is missing"
-                ))),
-            }
-        };
-        let num_hidden_layers = names
-            .filter_map(|name| name.strip_prefix("encoder.layers."))
-            .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
-            .max()
-            .map_or(0, |last| last + 1);
-        let [vocab_size, hidden_size] = dims("embeddings.token_embedding.weight")?;
-        let [max_position_embeddings, _] = dims("embeddings.position_embedding.weight")?;
-        let [intermediate_size, _] = dims("encoder.layers.0.mlp.fc1.weight")?;
+        let num_hidden_layers = numbered(names, "encoder.layers.");
+        let [vocab_size, hidden_size] = shapes.matrix("embeddings.token_embedding.weight")?;
+        let [max_position_embeddings, _] = shapes.matrix("embeddings.position_embedding.weight")?;
+        let [intermediate_size, _] = shapes.matrix("encoder.layers.0.mlp.fc1.weight")?;
         if !hidden_size.is_multiple_of(CLIP_HEAD_DIM) {
-            return Err(error(format!(
+            return Err(shapes.error(format!(
                 "hidden size {hidden_size} is not a multiple of the {CLIP_HEAD_DIM}-wide heads of CLIP-L and bigG; use a folder with config.json"
             )));
         }

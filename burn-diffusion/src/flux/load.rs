@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::keys::{LinearKeys, RowRange, VectorKeys, linear_keys, vector_keys};
 use super::{Flux, FluxConfig};
 use crate::error::{KeyReport, LoadError, ShapeMismatch};
-use crate::weights::PlaceWeight;
+use crate::weights::{PlaceWeight, place_or_upload};
 
 /// Prefix of the transformer's keys in ComfyUI's all-in-one checkpoints.
 const COMFY_PREFIX: &str = "model.diffusion_model.";
@@ -217,22 +217,16 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_, '_, '_, B> {
         let Some(data) = self.read(&path, &shape) else {
             return param;
         };
-        let tensor = match self.place.as_mut().filter(|_| D == 2) {
-            Some(place) => match place(&path, data) {
-                Ok(matrix) => Tensor::<B, D>::from_primitive(matrix.into_primitive()),
-                Err(message) => {
-                    self.failure.get_or_insert(LoadError::Config {
-                        file: self.source.path.clone(),
-                        message: format!("{path}: {message}"),
-                    });
-                    return param;
-                }
-            },
-            None => {
-                let (device, dtype) = (self.device.clone(), DType::from(self.dtype));
-                B::memory_persistent_allocations(&device, data, |data| {
-                    Tensor::<B, D>::from_data(data, (&device, dtype))
-                })
+        let place = self.place.as_deref_mut().filter(|_| D == 2);
+        let dtype = DType::from(self.dtype);
+        let tensor = match place_or_upload(place, &path, data, &self.device, dtype) {
+            Ok(tensor) => tensor,
+            Err(message) => {
+                self.failure.get_or_insert(LoadError::Config {
+                    file: self.source.path.clone(),
+                    message: format!("{path}: {message}"),
+                });
+                return param;
             }
         };
         let id = param.id;

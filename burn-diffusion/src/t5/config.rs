@@ -6,7 +6,7 @@ use burn::config::Config;
 use serde::Deserialize;
 
 use crate::error::LoadError;
-use crate::weights::read_json;
+use crate::weights::{KeyShapes, numbered, read_json};
 
 /// The shape of a T5 v1.1 encoder (gated-GELU feed-forward, relative position bias in the
 /// first layer). Field names follow transformers' `T5Config`.
@@ -86,33 +86,21 @@ impl T5Config {
         names: impl Iterator<Item = &'a str>,
         shape_of: impl Fn(&str) -> Option<Vec<usize>>,
     ) -> Result<Self, LoadError> {
-        let error = |message: String| LoadError::Config {
-            file: file.to_path_buf(),
-            message,
+        let shapes = KeyShapes {
+            file,
+            model: "T5",
+            shape_of,
         };
-        let dims = |name: &str| -> Result<[usize; 2], LoadError> {
-            match shape_of(name).as_deref() {
-                Some(&[rows, cols]) => Ok([rows, cols]),
-                Some(shape) => Err(error(format!("`{name}` is {shape:?}, expected rank 2"))),
-                None => Err(error(format!(
-                    "cannot infer the T5 config: `{name}` is missing"
-                ))),
-            }
-        };
-        let num_layers = names
-            .filter_map(|name| name.strip_prefix("encoder.block."))
-            .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
-            .max()
-            .map_or(0, |last| last + 1);
-        let [vocab_size, d_model] = dims("encoder.embed_tokens.weight")?;
+        let num_layers = numbered(names, "encoder.block.");
+        let [vocab_size, d_model] = shapes.matrix("encoder.embed_tokens.weight")?;
         let first = "encoder.block.0.layer";
-        let [buckets, num_heads] = dims(&format!(
+        let [buckets, num_heads] = shapes.matrix(&format!(
             "{first}.0.SelfAttention.relative_attention_bias.weight"
         ))?;
-        let [inner, _] = dims(&format!("{first}.0.SelfAttention.q.weight"))?;
-        let [d_ff, _] = dims(&format!("{first}.1.DenseReluDense.wi_0.weight"))?;
+        let [inner, _] = shapes.matrix(&format!("{first}.0.SelfAttention.q.weight"))?;
+        let [d_ff, _] = shapes.matrix(&format!("{first}.1.DenseReluDense.wi_0.weight"))?;
         if num_heads == 0 || !inner.is_multiple_of(num_heads) {
-            return Err(error(format!(
+            return Err(shapes.error(format!(
                 "query width {inner} is not a multiple of {num_heads} heads"
             )));
         }

@@ -8,7 +8,7 @@ use burn::config::Config;
 use serde::Deserialize;
 
 use crate::error::LoadError;
-use crate::weights::read_json;
+use crate::weights::{KeyShapes, read_json};
 
 /// The shape of an AutoencoderKL and its latent normalization. Field names follow diffusers'
 /// `AutoencoderKL` config.
@@ -161,19 +161,13 @@ impl VaeConfig {
         names: impl Iterator<Item = &'a str>,
         shape_of: impl Fn(&str) -> Option<Vec<usize>>,
     ) -> Result<Self, LoadError> {
-        let error = |message: String| LoadError::Config {
-            file: file.to_path_buf(),
-            message,
+        let shapes = KeyShapes {
+            file,
+            model: "VAE",
+            shape_of,
         };
-        let dims = |name: &str| -> Result<Vec<usize>, LoadError> {
-            match shape_of(name) {
-                Some(shape) if shape.len() == 4 => Ok(shape),
-                Some(shape) => Err(error(format!("`{name}` is {shape:?}, expected rank 4"))),
-                None => Err(error(format!(
-                    "cannot infer the VAE config: `{name}` is missing"
-                ))),
-            }
-        };
+        let error = |message: String| shapes.error(message);
+        let dims = |name: &str| shapes.shape(name, 4);
         let mut levels = BTreeSet::new();
         let mut layers = BTreeSet::new();
         let mut names_seen = BTreeSet::new();

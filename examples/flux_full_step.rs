@@ -17,10 +17,8 @@
 //! ```
 //! Peak memory is read from `nvidia-smi` (every 20 ms; the whole GPU, as the driver sees it).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+mod common;
+
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Cuda};
@@ -80,61 +78,6 @@ fn parse_args() -> Args {
     args
 }
 
-/// The largest `memory.used` that `nvidia-smi` reports, since the last reset.
-struct PeakMemory {
-    child: Child,
-    current: Arc<AtomicU64>,
-    peak: Arc<AtomicU64>,
-}
-
-impl PeakMemory {
-    fn start() -> Option<Self> {
-        let mut child = Command::new("nvidia-smi")
-            .args([
-                "--query-gpu=memory.used",
-                "--format=csv,noheader,nounits",
-                "-i",
-                "0",
-                "-lms",
-                "20",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let stdout = child.stdout.take()?;
-        let (current, peak) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let (c, p) = (current.clone(), peak.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Ok(mib) = line.trim().parse::<u64>() {
-                    c.store(mib, Ordering::Relaxed);
-                    p.fetch_max(mib, Ordering::Relaxed);
-                }
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        Some(Self {
-            child,
-            current,
-            peak,
-        })
-    }
-
-    /// Peak since the last reset, in GB; starts a new window.
-    fn take_peak(&self) -> f64 {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let now = self.current.load(Ordering::Relaxed);
-        self.peak.swap(now, Ordering::Relaxed) as f64 * 1.048576e6 / 1e9
-    }
-}
-
-impl Drop for PeakMemory {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-    }
-}
-
 /// Creates every lazily initialized parameter now.
 fn materialize<B: Backend, M: Module<B>>(model: &M) {
     struct Touch;
@@ -179,8 +122,18 @@ struct Hooks<'a> {
 fn main() {
     let args = parse_args();
     let device = Default::default();
-    let memory = PeakMemory::start();
-    let peak = || memory.as_ref().map_or(f64::NAN, PeakMemory::take_peak);
+    let memory = common::DeviceMemory::start();
+    if let Some(memory) = &memory {
+        println!(
+            "device memory in use before start: {:.2} GB",
+            memory.baseline_gb()
+        );
+    }
+    let peak = || {
+        memory
+            .as_ref()
+            .map_or(f64::NAN, common::DeviceMemory::take_peak)
+    };
     peak();
     match args.stream_budget {
         None => {

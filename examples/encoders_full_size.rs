@@ -3,7 +3,7 @@
 //! for previews), a 77-token and a 512-token caption.
 //!
 //! ```text
-//! cargo run --release -p burn-diffusion --features cuda --example encoders_full_size
+//! cargo run --release --features cuda --example encoders_full_size
 //! ```
 //!
 //! On the GPU machine set `CUDA_PATH=/usr/local/cuda` and add `/usr/local/cuda/lib64` to
@@ -11,11 +11,8 @@
 //! compiling and autotuning kernels, the other two are warm. Peak memory is the device's used
 //! memory as `nvidia-smi` samples it every 20 ms, minus what was used before the program began.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::thread::JoinHandle;
+mod common;
+
 use std::time::Instant;
 
 use burn::backend::Cuda;
@@ -35,8 +32,12 @@ fn main() {
     let device = CudaDevice::default();
     set_default_dtypes::<B>(&device, FloatDType::BF16, IntDType::I32)
         .expect("bf16 weights need a fresh device");
-    let memory = MemoryMonitor::start();
-    println!("device memory in use before start: {} MiB", memory.baseline);
+    let memory =
+        common::DeviceMemory::start().expect("nvidia-smi is needed to sample device memory");
+    println!(
+        "device memory in use before start: {:.2} GB",
+        memory.baseline_gb()
+    );
 
     let started = Instant::now();
     let stage = |what: &str| println!("[{:7.1} s] {what}", started.elapsed().as_secs_f64());
@@ -75,13 +76,12 @@ fn main() {
     });
     drop((t5, ids));
     B::memory_cleanup(&device);
-    memory.stop();
 }
 
 /// Times `RUNS` runs of `f` (each waited for on the device) and prints the peak memory seen
 /// since the previous measurement.
-fn measure<T>(label: &str, device: &CudaDevice, memory: &MemoryMonitor, f: impl Fn() -> T) {
-    memory.reset();
+fn measure<T>(label: &str, device: &CudaDevice, memory: &common::DeviceMemory, f: impl Fn() -> T) {
+    memory.take_peak();
     let mut times = Vec::with_capacity(RUNS);
     for run in 0..RUNS {
         println!("  {label}: run {run}");
@@ -93,69 +93,8 @@ fn measure<T>(label: &str, device: &CudaDevice, memory: &MemoryMonitor, f: impl 
     }
     let shown: Vec<String> = times.iter().map(|t| format!("{t:.3} s")).collect();
     println!(
-        "{label}: runs {} (first one cold); peak device memory {} MiB above the start",
+        "{label}: runs {} (first one cold); peak device memory {:.2} GB above the start",
         shown.join(", "),
-        memory.peak().saturating_sub(memory.baseline)
+        memory.take_peak() - memory.baseline_gb()
     );
-}
-
-/// The device's used memory, sampled by an `nvidia-smi` child process.
-struct MemoryMonitor {
-    baseline: u64,
-    peak: Arc<AtomicU64>,
-    child: Child,
-    reader: JoinHandle<()>,
-}
-
-impl MemoryMonitor {
-    fn start() -> Self {
-        let mut child = Command::new("nvidia-smi")
-            .args([
-                "--query-gpu=memory.used",
-                "--format=csv,noheader,nounits",
-                "--id=0",
-                "-lms",
-                "20",
-            ])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("nvidia-smi is needed to sample device memory");
-        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        let first = lines
-            .next()
-            .and_then(Result::ok)
-            .and_then(|l| l.trim().parse::<u64>().ok())
-            .expect("nvidia-smi printed no memory figure");
-        let peak = Arc::new(AtomicU64::new(first));
-        let seen = Arc::clone(&peak);
-        let reader = std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                if let Ok(mib) = line.trim().parse::<u64>() {
-                    seen.fetch_max(mib, Ordering::Relaxed);
-                }
-            }
-        });
-        Self {
-            baseline: first,
-            peak,
-            child,
-            reader,
-        }
-    }
-
-    /// The highest figure since the last reset, in MiB.
-    fn peak(&self) -> u64 {
-        self.peak.load(Ordering::Relaxed)
-    }
-
-    fn reset(&self) {
-        self.peak.store(0, Ordering::Relaxed);
-    }
-
-    fn stop(mut self) {
-        // The sampler is this program's own child.
-        self.child.kill().ok();
-        self.child.wait().ok();
-        self.reader.join().ok();
-    }
 }

@@ -25,18 +25,24 @@ use crate::flux::read_f32;
 /// the device loads straight into host memory.
 pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
 
-/// `data` as a parameter's tensor: handed to `place` when given (which takes matrices only),
-/// else uploaded to `device`; in `dtype` either way. `Err` is the placement's refusal.
+/// `data` as the tensor of parameter `name`: handed to `place` when given (which takes
+/// matrices only), else uploaded to `device`; in `dtype` either way. A refusal of the placement
+/// is a [`LoadError::Config`] about `file` naming the parameter.
 pub(crate) fn place_or_upload<B: Backend, const D: usize>(
     place: Option<&mut PlaceWeight<'_, B>>,
     name: &str,
     data: TensorData,
     device: &B::Device,
     dtype: DType,
-) -> Result<Tensor<B, D>, String> {
+    file: &Path,
+) -> Result<Tensor<B, D>, LoadError> {
     match place {
         Some(place) => {
-            let matrix = place(name, data.convert_dtype(dtype))?;
+            let matrix =
+                place(name, data.convert_dtype(dtype)).map_err(|message| LoadError::Config {
+                    file: file.to_path_buf(),
+                    message: format!("{name}: {message}"),
+                })?;
             Ok(Tensor::from_primitive(matrix.into_primitive()))
         }
         None => Ok(B::memory_persistent_allocations(device, data, |data| {
@@ -245,13 +251,11 @@ impl<B: Backend, F: Fn(&str) -> String> ModuleMapper<B> for Filler<'_, '_, '_, B
             .as_deref_mut()
             .filter(|_| linear_weight && D == 2);
         let dtype = DType::from(self.dtype);
-        let tensor = match place_or_upload(place, &name, data, &self.device, dtype) {
+        let placed = place_or_upload(place, &name, data, &self.device, dtype, &self.source.path);
+        let tensor = match placed {
             Ok(tensor) => tensor,
-            Err(message) => {
-                self.failure.get_or_insert(LoadError::Config {
-                    file: self.source.path.clone(),
-                    message: format!("{name}: {message}"),
-                });
+            Err(error) => {
+                self.failure.get_or_insert(error);
                 return param;
             }
         };

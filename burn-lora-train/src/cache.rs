@@ -100,7 +100,7 @@ pub fn prepare<B: StreamTarget>(
         parts.push(Part { items, file });
     }
 
-    let missing: Vec<usize> = parts.iter().flat_map(|p| p.items.clone()).collect();
+    let missing: Vec<usize> = parts.iter().flat_map(|p| p.items.iter().copied()).collect();
     if !missing.is_empty() || empty.is_none() {
         encode_latents::<B>(plan, dataset, &missing, &mut latents, device)?;
         let texts: Vec<&str> = missing
@@ -283,23 +283,16 @@ fn write_part(
         path: folder.to_path_buf(),
         source,
     })?;
-    let mut names = Vec::with_capacity(3 * items.len() + 2);
-    for k in 0..items.len() {
-        names.push([
-            format!("latent.{k}"),
-            format!("pooled.{k}"),
-            format!("states.{k}"),
-        ]);
-    }
-    let mut tensors: Vec<(&str, &TensorData)> = Vec::with_capacity(3 * items.len() + 2);
-    for (&i, [latent, pooled, states]) in items.iter().zip(&names) {
+    let mut named: Vec<(String, &TensorData)> = Vec::with_capacity(3 * items.len() + 2);
+    for (k, &i) in items.iter().enumerate() {
         let caption = captions[i].as_ref().expect("encoded");
-        tensors.push((latent, latents[i].as_ref().expect("encoded")));
-        tensors.push((pooled, &caption.pooled));
-        tensors.push((states, &caption.states));
+        named.push((format!("latent.{k}"), latents[i].as_ref().expect("encoded")));
+        named.push((format!("pooled.{k}"), &caption.pooled));
+        named.push((format!("states.{k}"), &caption.states));
     }
-    tensors.push(("pooled.empty", &empty.pooled));
-    tensors.push(("states.empty", &empty.states));
+    named.push(("pooled.empty".into(), &empty.pooled));
+    named.push(("states.empty".into(), &empty.states));
+    let tensors: Vec<(&str, &TensorData)> = named.iter().map(|(n, d)| (n.as_str(), *d)).collect();
     write_tensors(file, &tensors, HashMap::new())?;
     Ok(())
 }

@@ -275,7 +275,7 @@ impl RunDir {
             path: path.clone(),
             reason,
         };
-        let (views, metadata) = read_tensors(&path)?;
+        let (optimizer, metadata) = read_tensors(&path)?;
         let json = metadata
             .get(STATE_KEY)
             .ok_or_else(|| invalid(format!("no `{STATE_KEY}` metadata")))?;
@@ -287,7 +287,8 @@ impl RunDir {
                 meta.version, meta.step
             )));
         }
-        if tensors_crc(views.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))) != meta.tensors_crc32
+        if tensors_crc(optimizer.iter().map(|(k, v)| (k.as_str(), v.as_bytes())))
+            != meta.tensors_crc32
         {
             return Err(invalid(
                 "optimizer tensors do not match their CRC-32".into(),
@@ -308,7 +309,6 @@ impl RunDir {
             }
             Err(e) => return Err(invalid(e.to_string())),
         }
-        let optimizer = views;
         Ok((
             Checkpoint {
                 step,

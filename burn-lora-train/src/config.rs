@@ -1003,7 +1003,7 @@ fn check_model(
         ("model.text_encoder", &m.text_encoder),
         ("model.text_encoder_2", &m.text_encoder_2),
     ];
-    let random = |c: &mut Checker| {
+    let built_in = |c: &mut Checker| {
         for (field, path) in overrides {
             if path.is_some() {
                 c.fail(
@@ -1015,15 +1015,15 @@ fn check_model(
     };
     let source = match m.path.to_str() {
         Some("tiny") => {
-            random(c);
+            built_in(c);
             Some(ModelSource::Tiny)
         }
         Some("random:flux1-dev") => {
-            random(c);
+            built_in(c);
             Some(ModelSource::Random { guidance: true })
         }
         Some("random:flux1-schnell") => {
-            random(c);
+            built_in(c);
             Some(ModelSource::Random { guidance: false })
         }
         Some(other) if other.starts_with("random:") => {
@@ -1037,30 +1037,25 @@ fn check_model(
         }
         _ => model_files(c, &resolve(&m.path), overrides, resolve).map(ModelSource::Files),
     };
-    let tokenizers = match &m.tokenizers {
-        Some(folder) => Some(resolve(folder)),
-        None if resolve(&m.path).is_dir() => Some(resolve(&m.path)),
-        None => Some(resolve(Path::new("."))),
+    let model_path = resolve(&m.path);
+    let folder = match &m.tokenizers {
+        Some(folder) => resolve(folder),
+        None if model_path.is_dir() => model_path,
+        None => resolve(Path::new(".")),
     };
-    let tokenizers = tokenizers.and_then(|folder| {
-        let found = ["tokenizer", "tokenizer_2"]
-            .iter()
-            .all(|sub| folder.join(sub).is_dir());
-        if found {
-            Some(folder)
-        } else if source.is_some() {
-            c.fail(
-                "model.tokenizers",
-                format!(
-                    "{} has no tokenizer/ and tokenizer_2/ folders (CLIP's and T5's tokenizer files)",
-                    folder.display()
-                ),
-            );
-            None
-        } else {
-            None
-        }
-    });
+    let found = ["tokenizer", "tokenizer_2"]
+        .iter()
+        .all(|sub| folder.join(sub).is_dir());
+    if !found && source.is_some() {
+        c.fail(
+            "model.tokenizers",
+            format!(
+                "{} has no tokenizer/ and tokenizer_2/ folders (CLIP's and T5's tokenizer files)",
+                folder.display()
+            ),
+        );
+    }
+    let tokenizers = found.then_some(folder);
     let dtype = c.choose(
         "model.dtype",
         &m.dtype,
@@ -1118,12 +1113,10 @@ fn model_files(
         );
         return None;
     }
-    let mut resolved = Vec::with_capacity(4);
-    for (field, given) in overrides {
+    let [transformer, vae, text_encoder, text_encoder_2] = overrides.map(|(field, given)| {
         let component = match given {
             Some(p) => resolve(p),
-            None if folder => path.to_path_buf(),
-            None if field == "model.transformer" => path.to_path_buf(),
+            None if folder || field == "model.transformer" => path.to_path_buf(),
             None => {
                 c.fail(
                     field,
@@ -1132,20 +1125,15 @@ fn model_files(
                         path.display()
                     ),
                 );
-                resolved.push(None);
-                continue;
+                return None;
             }
         };
-        if component.exists() {
-            resolved.push(Some(component));
-        } else {
+        if !component.exists() {
             c.fail(field, format!("{} does not exist", component.display()));
-            resolved.push(None);
+            return None;
         }
-    }
-    let mut resolved = resolved.into_iter();
-    let mut next = || resolved.next().flatten();
-    let (transformer, vae, text_encoder, text_encoder_2) = (next(), next(), next(), next());
+        Some(component)
+    });
     Some(ModelFiles {
         transformer: transformer?,
         vae: vae?,

@@ -234,10 +234,7 @@ pub fn train<B: StreamTarget>(
         summary.losses.push(loss);
         summary.step = step;
         if memory.is_empty() {
-            memory = B::memory_in_use(device).map_or_else(
-                || "n/a".to_string(),
-                |b| format!("{:.1} GB", b as f64 / 1e9),
-            );
+            memory = gigabytes(B::memory_in_use(device));
         }
         progress.step(step, loss, lr, seconds, &memory);
         if step % plan.logging.every == 0 || step == plan.train.steps {
@@ -307,14 +304,19 @@ fn base_model_name(plan: &TrainPlan) -> String {
 
 /// A step's streaming in a few words: device memory, upload volume and rate.
 fn describe(stats: &burn_offload::StepStats) -> String {
-    let peak = stats.peak_device_bytes.map_or_else(
-        || "n/a".to_string(),
-        |b| format!("{:.1} GB", b as f64 / 1e9),
-    );
     format!(
-        "{peak} (streamed {:.1} GB at {:.1} GB/s)",
+        "{} (streamed {:.1} GB at {:.1} GB/s)",
+        gigabytes(stats.peak_device_bytes),
         stats.bytes_uploaded as f64 / 1e9,
         stats.upload_gbps()
+    )
+}
+
+/// Device bytes as GB for the progress bar, `n/a` where the backend does not report them.
+fn gigabytes(bytes: Option<u64>) -> String {
+    bytes.map_or_else(
+        || "n/a".to_string(),
+        |b| format!("{:.1} GB", b as f64 / 1e9),
     )
 }
 

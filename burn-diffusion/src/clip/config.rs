@@ -117,9 +117,7 @@ impl ClipTextConfig {
         config.validate().map_err(error)?;
         Ok(config)
     }
-}
 
-impl ClipTextConfig {
     /// Infers the configuration of a single-file text encoder (ComfyUI's `clip_l.safetensors`)
     /// from its tensors (`names`, canonical: without the `text_model.` prefix, and their shapes).
     ///

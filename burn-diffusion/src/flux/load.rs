@@ -219,13 +219,11 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_, '_, '_, B> {
         };
         let place = self.place.as_deref_mut().filter(|_| D == 2);
         let dtype = DType::from(self.dtype);
-        let tensor = match place_or_upload(place, &path, data, &self.device, dtype) {
+        let placed = place_or_upload(place, &path, data, &self.device, dtype, &self.source.path);
+        let tensor = match placed {
             Ok(tensor) => tensor,
-            Err(message) => {
-                self.failure.get_or_insert(LoadError::Config {
-                    file: self.source.path.clone(),
-                    message: format!("{path}: {message}"),
-                });
+            Err(error) => {
+                self.failure.get_or_insert(error);
                 return param;
             }
         };

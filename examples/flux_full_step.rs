@@ -2,9 +2,10 @@
 //! GPU: one forward pass, then training steps with block-level gradient checkpointing, timed,
 //! with the device's peak memory.
 //!
-//! With `--stream-budget-gb X` the model runs on `Autodiff<Offload<Cuda>>` instead: its frozen
-//! weights move to page-locked host memory and stream through burn-offload's ring, all but
-//! those that fit in an X GB VRAM budget (`--wire e5m2` sends them as FP8).
+//! The model runs on `Autodiff<Offload<Cuda>>`, as the trainer's does: its matrix products go
+//! to cuBLAS unless `BURN_LORA_BLAS=0`. With `--stream-budget-gb X` its frozen weights move to
+//! page-locked host memory and stream through burn-offload's ring, all but those that fit in an
+//! X GB VRAM budget (`--wire e5m2` sends them as FP8); without it they stay resident.
 //!
 //! The trainable parameters are LoRA adapters of rank 32 (alpha 32) on every Linear of the
 //! double and single blocks (304 layers, 153 M parameters), as in the PyTorch anchor's step; AdamW
@@ -137,7 +138,7 @@ fn main() {
     peak();
     match args.stream_budget {
         None => {
-            let model = create::<Cuda>(&device, &peak);
+            let model = create::<Offload<Cuda>>(&device, &peak);
             let hooks = Hooks {
                 begin: &|| {},
                 end: &String::new,

@@ -122,7 +122,7 @@ const SMALL: usize = 1 << 20;
 /// read by kernels queued for its previous tenant, and a staging buffer must outlive the kernel
 /// that decodes it. Burn orders its own uses of a buffer on its stream; the copy stream is
 /// outside that order.
-fn drain(client: &ComputeClient<CudaRuntime>) {
+pub(crate) fn drain(client: &ComputeClient<CudaRuntime>) {
     block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
 }
 
@@ -318,5 +318,14 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_in_use)
+    }
+
+    const BLAS: bool = true;
+
+    fn blas_matmul(
+        lhs: &CubeTensor<CudaRuntime>,
+        rhs: &CubeTensor<CudaRuntime>,
+    ) -> Option<CubeTensor<CudaRuntime>> {
+        crate::blas::matmul(lhs, rhs)
     }
 }

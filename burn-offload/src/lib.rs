@@ -59,11 +59,15 @@
 #![warn(missing_docs)]
 
 mod backend;
+#[cfg(feature = "cuda")]
+mod blas;
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod engine;
 mod error;
+#[cfg(any(feature = "cuda", test))]
+mod gemm;
 mod ops;
 mod policy;
 mod stats;

@@ -74,6 +74,18 @@ pub trait StreamTarget: Backend {
 
     /// Device bytes in use, where the backend reports them.
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
+
+    /// Whether [`blas_matmul`](Self::blas_matmul) may route products to a vendor BLAS (the
+    /// decorator prepares transposed and flattened views only then).
+    const BLAS: bool = false;
+
+    /// `lhs · rhs` with `float_matmul`'s broadcasting (missing leading dimensions broadcast
+    /// too), computed by the device's vendor BLAS; `None` where the backend has none, it is
+    /// switched off, or the dtypes or layouts do not fit, and Burn's kernel runs instead.
+    fn blas_matmul(lhs: &FloatTensor<Self>, rhs: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let _ = (lhs, rhs);
+        None
+    }
 }
 
 /// Memory of one CPU ring slot, aligned for any element type.

@@ -10,7 +10,7 @@ use burn::tensor::ops::{
 
 use super::{
     forward, keep, lift, lift_deform_backward, lift_pair, lift_pool1d, lift_pool1d_backward,
-    lift_pool2d, lift_pool2d_backward, lower, lower_opt,
+    lift_pool2d, lift_pool2d_backward, lower, lower_opt, products,
 };
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
 use crate::target::StreamTarget;
@@ -33,7 +33,7 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
     ) -> FloatTensor<Self> {
         let bias = lower_opt(bias);
         let Some(streamed) = weight.as_streamed() else {
-            return lift(B::linear(lower(x), lower(weight), bias));
+            return lift(products::linear::<B>(lower(x), lower(weight), bias));
         };
         // Burn's layout: weight [d_input, d_output].
         let flops = linear_flops(&x, &streamed.weight.shape, 1);
@@ -41,7 +41,9 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         lift(
             streamed
                 .engine
-                .with_weight(&streamed.weight, flops, P::depth, |w| B::linear(x, w, bias)),
+                .with_weight(&streamed.weight, flops, P::depth, |w| {
+                    products::linear::<B>(x, w, bias)
+                }),
         )
     }
 
@@ -50,7 +52,10 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         let Some(streamed) = weight.as_streamed() else {
-            return lift(B::linear_x_backward(lower(weight), lower(output_grad)));
+            return lift(products::linear_x_backward::<B>(
+                lower(weight),
+                lower(output_grad),
+            ));
         };
         let flops = linear_flops(&output_grad, &streamed.weight.shape, 0);
         let grad = lower(output_grad);
@@ -58,9 +63,19 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             streamed
                 .engine
                 .with_weight(&streamed.weight, flops, P::depth, |w| {
-                    B::linear_x_backward(w, grad)
+                    products::linear_x_backward::<B>(w, grad)
                 }),
         )
+    }
+
+    fn linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        lift(products::linear_weight_backward::<B>(
+            lower(x),
+            lower(output_grad),
+        ))
     }
 
     forward! {
@@ -72,10 +87,6 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             lower weights: FloatTensor<Self>,
             lower output_grad: FloatTensor<Self>,
             keep indices: IntTensor<Self>,
-        ) -> FloatTensor<Self>;
-        lift fn linear_weight_backward(
-            lower x: FloatTensor<Self>,
-            lower output_grad: FloatTensor<Self>,
         ) -> FloatTensor<Self>;
         lift fn linear_bias_backward(lower output_grad: FloatTensor<Self>) -> FloatTensor<Self>;
         lift fn conv1d(

@@ -11,7 +11,7 @@ use burn::tensor::{
     TensorData,
 };
 
-use super::{forward, keep, lift, lift_first, lower, lower_vec};
+use super::{forward, keep, lift, lift_first, lower, lower_vec, products};
 use crate::backend::{Offload, PrefetchPolicy};
 use crate::target::StreamTarget;
 
@@ -20,6 +20,10 @@ impl<B: StreamTarget, P: PrefetchPolicy> FloatTensorOps<Self> for Offload<B, P> 
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         tensor.into_data()
+    }
+
+    fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        lift(products::matmul::<B>(lower(lhs), lower(rhs)))
     }
 
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
@@ -144,10 +148,6 @@ impl<B: StreamTarget, P: PrefetchPolicy> FloatTensorOps<Self> for Offload<B, P> 
         lift fn float_remainder_scalar(
             lower lhs: FloatTensor<Self>,
             keep rhs: Scalar,
-        ) -> FloatTensor<Self>;
-        lift fn float_matmul(
-            lower lhs: FloatTensor<Self>,
-            lower rhs: FloatTensor<Self>,
         ) -> FloatTensor<Self>;
         lift fn float_cross(
             lower lhs: FloatTensor<Self>,

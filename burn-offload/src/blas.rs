@@ -1,0 +1,203 @@
+//! Matrix products through cuBLAS on Burn-owned buffers: the CUDA mechanism behind
+//! [`StreamTarget::blas_matmul`](crate::StreamTarget::blas_matmul); the layouts are planned in
+//! `gemm.rs`.
+//!
+//! cuBLAS runs on a CUDA stream of its own, since CubeCL 0.10 hands out no handle to its
+//! streams. The order is kept by the host: the compute stream is drained before the call (the
+//! operands are written, and the output buffer's previous tenant is no longer read), and the
+//! cuBLAS stream is synchronized after it (the output is complete before any later kernel reads
+//! it). `BURN_LORA_BLAS=0` leaves every product to Burn's kernels.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::server::Handle;
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType,
+};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::cuda::drain;
+use crate::gemm::{GemmPlan, Layout, Operand, plan};
+
+/// Whether products may go to cuBLAS: on unless `BURN_LORA_BLAS` is `0`, `off` or `false`.
+fn switched_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = !matches!(
+            std::env::var("BURN_LORA_BLAS").as_deref(),
+            Ok("0" | "off" | "false")
+        );
+        tracing::info!(
+            "matrix products: {}",
+            if on {
+                "cuBLAS where the layout allows (BURN_LORA_BLAS=0 turns it off)"
+            } else {
+                "Burn's kernels (BURN_LORA_BLAS=0)"
+            }
+        );
+        on
+    })
+}
+
+/// A cuBLAS handle bound to its own stream on one device.
+struct Blas {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    handle: cublasHandle_t,
+}
+
+// SAFETY: the handle is only used under the mutex that owns the `Blas`.
+unsafe impl Send for Blas {}
+
+impl Blas {
+    fn new(device: &CudaDevice) -> Result<Self, String> {
+        let ctx = CudaContext::new(device.index).map_err(|e| e.to_string())?;
+        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+        // cudarc loads libcublas on first use and panics when it is missing.
+        let handle = std::panic::catch_unwind(cublas::create_handle)
+            .map_err(|_| "libcublas could not be loaded".to_string())?
+            .map_err(|e| e.to_string())?;
+        // SAFETY: a live handle and a live stream of the same context.
+        unsafe { cublas::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            ctx,
+            stream,
+            handle,
+        })
+    }
+
+    /// Runs `plan` on device addresses `a` (Burn's rhs), `b` (Burn's lhs) and `c` (the output)
+    /// and waits for it.
+    fn run(
+        &self,
+        plan: &GemmPlan,
+        a: u64,
+        b: u64,
+        c: u64,
+        dtype: cudaDataType,
+    ) -> Result<(), String> {
+        let op = |operand: &Operand| {
+            if operand.transpose {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Checked by `plan`: every size fits in an i32.
+        let int = |v: usize| v as i32;
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: `a`, `b` and `c` are live Burn buffers holding the extents `plan` describes
+        // (it was made from their layouts, `c` was allocated for `out_shape`); nothing else
+        // writes them until `synchronize` returns.
+        unsafe {
+            cublas::gemm_strided_batched_ex(
+                self.handle,
+                op(&plan.a),
+                op(&plan.b),
+                int(plan.m),
+                int(plan.n),
+                int(plan.k),
+                (&alpha as *const f32).cast::<c_void>(),
+                a as *const c_void,
+                dtype,
+                int(plan.a.ld),
+                plan.a.batch_stride as i64,
+                b as *const c_void,
+                dtype,
+                int(plan.b.ld),
+                plan.b.batch_stride as i64,
+                (&beta as *const f32).cast::<c_void>(),
+                c as *mut c_void,
+                dtype,
+                int(plan.ldc),
+                plan.stride_c as i64,
+                int(plan.batch),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+}
+
+/// The device's cuBLAS, created on first use; `None` (said once) when it cannot be.
+fn blas(device: &CudaDevice) -> Option<Arc<Mutex<Blas>>> {
+    type Handles = Mutex<HashMap<usize, Option<Arc<Mutex<Blas>>>>>;
+    static HANDLES: OnceLock<Handles> = OnceLock::new();
+    let mut handles = HANDLES.get_or_init(Default::default).lock().unwrap();
+    handles
+        .entry(device.index)
+        .or_insert_with(|| match Blas::new(device) {
+            Ok(blas) => Some(Arc::new(Mutex::new(blas))),
+            Err(reason) => {
+                tracing::warn!("cuBLAS unavailable ({reason}); matrix products use Burn's kernels");
+                None
+            }
+        })
+        .clone()
+}
+
+fn data_type(dtype: DType) -> Option<cudaDataType> {
+    match dtype {
+        DType::F32 => Some(cudaDataType::CUDA_R_32F),
+        DType::F16 => Some(cudaDataType::CUDA_R_16F),
+        DType::BF16 => Some(cudaDataType::CUDA_R_16BF),
+        _ => None,
+    }
+}
+
+/// `lhs · rhs` through cuBLAS, or `None` when it is switched off, unavailable, or the dtypes or
+/// layouts do not fit (see [`plan`]).
+pub(crate) fn matmul(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+) -> Option<CubeTensor<CudaRuntime>> {
+    if !switched_on() || lhs.dtype != rhs.dtype || lhs.qparams.is_some() {
+        return None;
+    }
+    let dtype = data_type(lhs.dtype)?;
+    let layout = |t: &CubeTensor<CudaRuntime>| (t.meta.shape().to_vec(), t.meta.strides().to_vec());
+    let ((lhs_shape, lhs_strides), (rhs_shape, rhs_strides)) = (layout(lhs), layout(rhs));
+    let plan = plan(
+        Layout {
+            shape: &lhs_shape,
+            strides: &lhs_strides,
+        },
+        Layout {
+            shape: &rhs_shape,
+            strides: &rhs_strides,
+        },
+    )?;
+    let blas = blas(&lhs.device)?;
+    let client = &lhs.client;
+    let out_shape = Shape::from(plan.out_shape.clone());
+    let out = client.empty(out_shape.num_elements() * lhs.dtype.size());
+    let address = |handle: &Handle| {
+        client
+            .get_resource(handle.clone())
+            .ok()
+            .map(|resource| resource.resource().ptr)
+    };
+    let (a, b, c) = (address(&rhs.handle)?, address(&lhs.handle)?, address(&out)?);
+    drain(client);
+    if let Err(reason) = blas.lock().unwrap().run(&plan, a, b, c, dtype) {
+        tracing::warn!("cuBLAS failed on {plan:?} ({reason}); Burn's kernel runs instead");
+        return None;
+    }
+    Some(CubeTensor::new_contiguous(
+        client.clone(),
+        lhs.device.clone(),
+        out_shape,
+        out,
+        lhs.dtype,
+    ))
+}

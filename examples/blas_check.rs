@@ -1,0 +1,212 @@
+//! burn-offload's cuBLAS route checked on one CUDA GPU: every routed product is compared with
+//! Burn's own kernels (matrix products of odd sizes, transposed views, batched and broadcast
+//! operands, a linear layer and attention with their gradients), in f32 and in bf16; then each
+//! path is timed on FLUX-sized work.
+//!
+//! ```text
+//! cargo run --release --features cuda --example blas_check
+//! ```
+//!
+//! `Offload<Cuda>` without streamed weights is Burn's CUDA backend with its products sent to
+//! cuBLAS; `Cuda` is Burn's own. Both get the same inputs, made on the host. The program exits
+//! with an error when an f32 relative error exceeds 1e-5 or a bf16 one 2e-2.
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorData, module::linear};
+use burn_offload::Offload;
+
+type Routed = Offload<Cuda>;
+
+/// Values in [-1, 1) from a fixed xorshift sequence.
+fn data(shape: &[usize], seed: u64) -> TensorData {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect();
+    TensorData::new(values, shape.to_vec())
+}
+
+fn input<B: Backend, const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, D>::from_data(data(&shape, seed), device).cast(dtype)
+}
+
+fn out<B: Backend, const D: usize>(name: &str, t: Tensor<B, D>) -> (String, TensorData) {
+    (name.to_string(), t.cast(DType::F32).into_data())
+}
+
+/// Every checked output, computed on `B` (products, then gradients through autodiff).
+fn cases<B: AutodiffBackend>(dtype: DType, device: &B::Device) -> Vec<(String, TensorData)> {
+    let mut outs = Vec::new();
+    let a = input::<B, 2>([513, 769], 1, dtype, device);
+    let b = input::<B, 2>([769, 257], 2, dtype, device);
+    outs.push(out("matmul 513x769 · 769x257", a.clone().matmul(b)));
+    let bt = input::<B, 2>([257, 769], 3, dtype, device);
+    outs.push(out(
+        "matmul with a transposed rhs",
+        a.matmul(bt.transpose()),
+    ));
+    let at = input::<B, 2>([769, 300], 4, dtype, device);
+    let b = input::<B, 2>([769, 257], 5, dtype, device);
+    outs.push(out(
+        "matmul with a transposed lhs",
+        at.transpose().matmul(b),
+    ));
+    let x = input::<B, 3>([2, 33, 65], 6, dtype, device);
+    let w = input::<B, 3>([1, 65, 31], 7, dtype, device);
+    outs.push(out("matmul with a broadcast rhs", x.matmul(w)));
+    let w = input::<B, 3>([3, 65, 31], 8, dtype, device);
+    let x = input::<B, 3>([1, 33, 65], 9, dtype, device);
+    outs.push(out("matmul with a broadcast lhs", x.matmul(w)));
+
+    // A linear layer on [batch, tokens, features], bias included, and its gradients.
+    let x = input::<B, 3>([2, 65, 130], 10, dtype, device).require_grad();
+    let w = input::<B, 2>([130, 70], 11, dtype, device).require_grad();
+    let bias = input::<B, 1>([70], 12, dtype, device).require_grad();
+    let y = linear(x.clone(), w.clone(), Some(bias.clone()));
+    let r = input::<B, 3>([2, 65, 70], 13, dtype, device);
+    let grads = (y.clone() * r).sum().backward();
+    outs.push(out("linear forward", y));
+    outs.push(out("linear x gradient", x.grad(&grads).unwrap()));
+    outs.push(out("linear weight gradient", w.grad(&grads).unwrap()));
+    outs.push(out("linear bias gradient", bias.grad(&grads).unwrap()));
+
+    // Attention as explicit products (kᵀ a transposed view), and its gradients.
+    let q = input::<B, 4>([2, 3, 77, 64], 14, dtype, device).require_grad();
+    let k = input::<B, 4>([2, 3, 77, 64], 15, dtype, device).require_grad();
+    let v = input::<B, 4>([2, 3, 77, 64], 16, dtype, device).require_grad();
+    let scores = q.clone().matmul(k.clone().swap_dims(2, 3)) * 0.125;
+    let o = softmax(scores.cast(DType::F32), 3)
+        .cast(dtype)
+        .matmul(v.clone());
+    let r = input::<B, 4>([2, 3, 77, 64], 17, dtype, device);
+    let grads = (o.clone() * r).sum().backward();
+    outs.push(out("attention output", o));
+    outs.push(out("attention q gradient", q.grad(&grads).unwrap()));
+    outs.push(out("attention k gradient", k.grad(&grads).unwrap()));
+    outs.push(out("attention v gradient", v.grad(&grads).unwrap()));
+    outs
+}
+
+fn relative_error(got: &TensorData, want: &TensorData) -> f64 {
+    let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(&want) {
+        diff += (*g as f64 - *w as f64).powi(2);
+        norm += (*w as f64).powi(2);
+    }
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Seconds per call of `f`, after `warm` untimed calls.
+fn time<B: Backend>(device: &B::Device, warm: usize, runs: usize, f: impl Fn()) -> f64 {
+    for _ in 0..warm {
+        f();
+    }
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..runs {
+        f();
+    }
+    B::sync(device).unwrap();
+    start.elapsed().as_secs_f64() / runs as f64
+}
+
+/// Seconds per call for each timed workload on `B`, with their FLOP.
+fn timings<B: Backend>(device: &B::Device) -> Vec<(&'static str, f64, f64)> {
+    let bf16 = DType::BF16;
+    let mut rows = Vec::new();
+    let n = 8192;
+    let a = input::<B, 2>([n, n], 1, bf16, device);
+    let b = input::<B, 2>([n, n], 2, bf16, device);
+    let t = time::<B>(device, 3, 20, || drop(a.clone().matmul(b.clone())));
+    rows.push(("bf16 GEMM 8192³", t, 2.0 * (n as f64).powi(3)));
+
+    // FLUX's MLP: 4608 tokens, 3072 → 12288 → 3072, gelu between, 20 layers.
+    let (tokens, hidden, inner, layers) = (4608, 3072, 12288, 20);
+    let w1 = input::<B, 2>([hidden, inner], 3, bf16, device);
+    let w2 = input::<B, 2>([inner, hidden], 4, bf16, device);
+    let x = input::<B, 3>([1, tokens, hidden], 5, bf16, device);
+    let t = time::<B>(device, 1, 3, || {
+        let mut h = x.clone();
+        for _ in 0..layers {
+            h = linear(gelu(linear(h, w1.clone(), None)), w2.clone(), None) * 0.01;
+        }
+        drop(h);
+    });
+    let flop = layers as f64 * 4.0 * (tokens * hidden * inner) as f64;
+    rows.push(("FLUX MLP x20 (linear, gelu, linear)", t, flop));
+
+    // Attention's two products at FLUX size: [1, 24, 4608, 128].
+    let shape = [1, 24, 4608, 128];
+    let (q, k, v) = (
+        input::<B, 4>(shape, 6, bf16, device),
+        input::<B, 4>(shape, 7, bf16, device),
+        input::<B, 4>(shape, 8, bf16, device),
+    );
+    let t = time::<B>(device, 2, 10, || {
+        let p = softmax(
+            q.clone().matmul(k.clone().swap_dims(2, 3)).cast(DType::F32),
+            3,
+        );
+        drop(p.cast(bf16).matmul(v.clone()));
+    });
+    rows.push((
+        "attention q·kᵀ, softmax, ·v (FLUX size)",
+        t,
+        4.0 * 24.0 * 4608.0 * 4608.0 * 128.0,
+    ));
+
+    // Small products: what each routed call costs beyond its arithmetic.
+    let s = input::<B, 2>([256, 256], 9, bf16, device);
+    let t = time::<B>(device, 10, 500, || drop(s.clone().matmul(s.clone())));
+    rows.push(("bf16 GEMM 256³ (per call)", t, 2.0 * 256f64.powi(3)));
+    rows
+}
+
+fn main() {
+    let device = Default::default();
+    let mut failed = false;
+    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+        println!("== {dtype:?}: cuBLAS route against Burn's kernels (relative L2 error)");
+        let routed = cases::<Autodiff<Routed>>(dtype, &device);
+        let plain = cases::<Autodiff<Cuda>>(dtype, &device);
+        for ((name, got), (_, want)) in routed.iter().zip(&plain) {
+            let err = relative_error(got, want);
+            let verdict = if err <= tolerance { "ok" } else { "FAILED" };
+            failed |= err > tolerance;
+            println!("  {name:32} {err:9.2e}  {verdict}");
+        }
+    }
+    println!("== timings, bf16 (seconds per call, TFLOP/s)");
+    let routed = timings::<Routed>(&device);
+    let plain = timings::<Cuda>(&device);
+    for ((name, tr, flop), (_, tp, _)) in routed.iter().zip(&plain) {
+        println!(
+            "  {name:40} cuBLAS {:9.3} ms {:6.0} TFLOP/s | Burn {:9.3} ms {:6.0} TFLOP/s | {:.2}x",
+            tr * 1e3,
+            flop / tr / 1e12,
+            tp * 1e3,
+            flop / tp / 1e12,
+            tp / tr
+        );
+    }
+    if failed {
+        eprintln!("a routed product differs from Burn's beyond its tolerance");
+        std::process::exit(1);
+    }
+}

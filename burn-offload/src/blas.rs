@@ -3,17 +3,20 @@
 //! `gemm.rs`.
 //!
 //! cuBLAS runs on a CUDA stream of its own, since CubeCL 0.10 hands out no handle to its
-//! streams. The order is kept by the host: the compute stream is drained before the call (the
-//! operands are written, and the output buffer's previous tenant is no longer read), and the
-//! cuBLAS stream is synchronized after it (the output is complete before any later kernel reads
-//! it). `BURN_LORA_BLAS=0` leaves every product to Burn's kernels.
+//! streams, and the host keeps the two streams in step: the compute stream is drained before
+//! the call (the operands are written, and the output buffer's previous tenant is no longer
+//! read) and the cuBLAS stream is synchronized after it (the output is complete before any later
+//! kernel reads it or reuses the operands' memory). `BURN_LORA_BLAS=0` leaves every product to
+//! Burn's kernels.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
 use cudarc::cublas::result as cublas;
@@ -33,16 +36,27 @@ fn switched_on() -> bool {
             std::env::var("BURN_LORA_BLAS").as_deref(),
             Ok("0" | "off" | "false")
         );
-        tracing::info!(
-            "matrix products: {}",
-            if on {
-                "cuBLAS where the layout allows (BURN_LORA_BLAS=0 turns it off)"
-            } else {
-                "Burn's kernels (BURN_LORA_BLAS=0)"
-            }
-        );
+        if on {
+            tracing::info!(
+                "matrix products: cuBLAS where the layout allows (BURN_LORA_BLAS=0 turns it off)"
+            );
+        } else {
+            tracing::info!("matrix products: Burn's kernels (BURN_LORA_BLAS=0)");
+        }
         on
     })
+}
+
+/// Set once a cuBLAS call has failed: later products stay with Burn.
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Products run through cuBLAS so far, in this process.
+static PRODUCTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many matrix products this process has run through cuBLAS (every one else ran on Burn's
+/// kernels): lets a program check that the route it measures was taken.
+pub fn cublas_products() -> u64 {
+    PRODUCTS.load(AtomicOrdering::Relaxed)
 }
 
 /// A cuBLAS handle bound to its own stream on one device.
@@ -74,13 +88,25 @@ impl Blas {
     }
 
     /// Runs `plan` on device addresses `a` (Burn's rhs), `b` (Burn's lhs) and `c` (the output)
-    /// and waits for it.
-    fn run(
+    /// between the two host synchronizations.
+    fn product(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        plan: &GemmPlan,
+        addresses: [u64; 3],
+        dtype: cudaDataType,
+    ) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        drain(client);
+        self.gemm(plan, addresses, dtype)?;
+        self.stream.synchronize().map_err(|e| e.to_string())
+    }
+
+    /// Queues `plan` on the cuBLAS stream.
+    fn gemm(
         &self,
         plan: &GemmPlan,
-        a: u64,
-        b: u64,
-        c: u64,
+        [a, b, c]: [u64; 3],
         dtype: cudaDataType,
     ) -> Result<(), String> {
         let op = |operand: &Operand| {
@@ -93,10 +119,9 @@ impl Blas {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Checked by `plan`: every size fits in an i32.
         let int = |v: usize| v as i32;
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
         // SAFETY: `a`, `b` and `c` are live Burn buffers holding the extents `plan` describes
-        // (it was made from their layouts, `c` was allocated for `out_shape`); nothing else
-        // writes them until `synchronize` returns.
+        // (it was made from their layouts, `c` was allocated for `out_shape`); the ordering
+        // keeps every other use of them out of the product's way.
         unsafe {
             cublas::gemm_strided_batched_ex(
                 self.handle,
@@ -124,8 +149,7 @@ impl Blas {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| e.to_string())?;
-        self.stream.synchronize().map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -161,7 +185,11 @@ pub(crate) fn matmul(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
 ) -> Option<CubeTensor<CudaRuntime>> {
-    if !switched_on() || lhs.dtype != rhs.dtype || lhs.qparams.is_some() {
+    if !switched_on()
+        || FAILED.load(AtomicOrdering::Relaxed)
+        || lhs.dtype != rhs.dtype
+        || lhs.qparams.is_some()
+    {
         return None;
     }
     let dtype = data_type(lhs.dtype)?;
@@ -187,12 +215,17 @@ pub(crate) fn matmul(
             .ok()
             .map(|resource| resource.resource().ptr)
     };
-    let (a, b, c) = (address(&rhs.handle)?, address(&lhs.handle)?, address(&out)?);
-    drain(client);
-    if let Err(reason) = blas.lock().unwrap().run(&plan, a, b, c, dtype) {
-        tracing::warn!("cuBLAS failed on {plan:?} ({reason}); Burn's kernel runs instead");
+    let addresses = [address(&rhs.handle)?, address(&lhs.handle)?, address(&out)?];
+    let done = blas
+        .lock()
+        .unwrap()
+        .product(client, &plan, addresses, dtype);
+    if let Err(reason) = done {
+        tracing::warn!("cuBLAS failed on {plan:?} ({reason}); Burn's kernels run from now on");
+        FAILED.store(true, AtomicOrdering::Relaxed);
         return None;
     }
+    PRODUCTS.fetch_add(1, AtomicOrdering::Relaxed);
     Some(CubeTensor::new_contiguous(
         client.clone(),
         lhs.device.clone(),

@@ -18,8 +18,10 @@
 //!
 //! # Features
 //! - `cuda`: Burn's CUDA backend (without fusion) as an inner backend: page-locked host
-//!   memory, asynchronous copies on the loader's own CUDA stream into slots that Burn owns, and
-//!   FP8 payloads dequantized on the device by burn-quant's kernel.
+//!   memory, asynchronous copies on the loader's own CUDA stream into slots that Burn owns,
+//!   FP8 payloads dequantized on the device by burn-quant's kernel, and matrix products
+//!   (`float_matmul` and the linear ops, transposed and batched views included) run by cuBLAS
+//!   unless `BURN_LORA_BLAS=0`.
 //!
 //! # Example
 //! ```
@@ -76,6 +78,8 @@ mod target;
 mod weight;
 
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
+#[cfg(feature = "cuda")]
+pub use blas::cublas_products;
 pub use config::{OffloadConfig, WireFormat};
 pub use error::OffloadError;
 pub use policy::{Route, ScheduleOutcome};

@@ -8,7 +8,9 @@
 //! values depend on: the model (source, dtype, seed of a random one), the caption lengths, and
 //! each item's image file (name, size, modification time), bucket and caption. A file whose
 //! hash differs is simply not looked at: a changed setting gets a new file; a file that fails
-//! to read is rebuilt with a warning. Files are written atomically.
+//! to read, or holds a non-finite value, is rebuilt with a warning. Files are written
+//! atomically. An encoder that turns an image or a caption into non-finite values stops the
+//! run with an error naming both, before anything is cached or trained.
 //!
 //! The VAE is loaded only when some dataset has no valid cache, encodes what is missing and is
 //! dropped; then the text encoders, likewise; the transformer is loaded after both.
@@ -199,7 +201,14 @@ fn encode_latents<B: Backend>(
                 .collect::<Result<Vec<_>, DatasetError>>()?;
             let encoded = vae.normalize_latents(vae.encode(Tensor::stack(pixels, 0)).mode());
             for (&i, latent) in chunk.iter().zip(encoded.iter_dim(0)) {
-                latents[i] = Some(latent.squeeze_dim::<3>(0).into_data());
+                let latent = latent.squeeze_dim::<3>(0).into_data();
+                if !finite(&latent) {
+                    return Err(TrainError::NonFiniteEncoding {
+                        encoder: "the VAE",
+                        input: dataset.items()[i].image.display().to_string(),
+                    });
+                }
+                latents[i] = Some(latent);
             }
         }
     }
@@ -242,18 +251,46 @@ fn encode_captions<B: StreamTarget>(
         texts.len(),
         start.elapsed().as_secs_f64()
     );
-    Ok(pooled
+    pooled
         .into_iter()
         .zip(states)
-        .map(|(pooled, states)| Caption { pooled, states })
-        .collect())
+        .zip(texts)
+        .map(|((pooled, states), text)| {
+            let caption = || match text.chars().count() {
+                0 => "the empty caption".to_string(),
+                1..=60 => format!("the caption \"{text}\""),
+                _ => format!(
+                    "the caption \"{}…\"",
+                    text.chars().take(60).collect::<String>()
+                ),
+            };
+            for (encoder, data) in [("CLIP", &pooled), ("T5", &states)] {
+                if !finite(data) {
+                    return Err(TrainError::NonFiniteEncoding {
+                        encoder,
+                        input: caption(),
+                    });
+                }
+            }
+            Ok(Caption { pooled, states })
+        })
+        .collect()
+}
+
+/// Whether every value of `data` is finite.
+fn finite(data: &TensorData) -> bool {
+    data.iter::<f32>().all(f32::is_finite)
 }
 
 /// Reads a dataset's cache file of `n` items.
 fn read_part(file: &Path, n: usize) -> Result<(Vec<TensorData>, Vec<Caption>, Caption), String> {
     let (tensors, _) = read_tensors(file).map_err(|e| e.to_string())?;
     let mut tensors: HashMap<String, TensorData> = tensors.into_iter().collect();
-    let mut take = |key: String| tensors.remove(&key).ok_or(format!("no tensor `{key}`"));
+    let mut take = |key: String| match tensors.remove(&key) {
+        Some(data) if finite(&data) => Ok(data),
+        Some(_) => Err(format!("non-finite values in `{key}`")),
+        None => Err(format!("no tensor `{key}`")),
+    };
     let mut latents = Vec::with_capacity(n);
     let mut captions = Vec::with_capacity(n);
     for k in 0..n {

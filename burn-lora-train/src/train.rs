@@ -88,6 +88,17 @@ pub enum TrainError {
         /// Fingerprint saved with the checkpoint.
         found: String,
     },
+    /// An encoder turned an image or a caption into non-finite values: every step that drew
+    /// it would be skipped. Nothing is cached.
+    #[error(
+        "{encoder} produced non-finite values for {input}; check the model files and their dtype"
+    )]
+    NonFiniteEncoding {
+        /// "the VAE", "CLIP" or "T5".
+        encoder: &'static str,
+        /// The image file, or the caption.
+        input: String,
+    },
     /// Too many consecutive steps had a non-finite loss or gradient (a checkpoint of the last
     /// step was written).
     #[error("{0} consecutive steps with a non-finite loss or gradient")]

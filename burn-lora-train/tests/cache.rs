@@ -131,3 +131,26 @@ fn write_safetensors(path: &Path, tensors: &[(String, TensorData)]) {
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
+
+#[test]
+fn a_cache_holding_a_non_finite_value_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = cached_plan(dir.path());
+    let first = run(&plan);
+    let files = cache_files(dir.path());
+    let bytes = std::fs::read(&files[0]).unwrap();
+    let mut tensors = safetensors_tensors(&files[0]);
+    let (_, states) = tensors
+        .iter_mut()
+        .find(|(name, _)| name == "states.2")
+        .unwrap();
+    let mut values = states.to_vec::<f32>().unwrap();
+    values[7] = f32::NAN;
+    *states = TensorData::new(values, states.shape.clone());
+    write_safetensors(&files[0], &tensors);
+
+    let rebuilt = run(&plan);
+    assert_eq!(rebuilt.captions, first.captions);
+    assert_eq!(rebuilt.latents, first.latents);
+    assert_eq!(std::fs::read(&files[0]).unwrap(), bytes);
+}

@@ -71,3 +71,53 @@ fn the_pipeline_trains_the_same_from_its_folder_its_parts_and_streamed() {
         assert_eq!(weights(other), expected, "{label}");
     }
 }
+
+#[test]
+fn a_vae_that_yields_nan_stops_the_run_naming_it_and_the_image() {
+    // The pipeline's VAE with one encoder bias set to NaN.
+    let folder = pipeline();
+    let vae = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        folder.join("vae/config.json"),
+        vae.path().join("config.json"),
+    )
+    .unwrap();
+    let weights = "diffusion_pytorch_model.safetensors";
+    let bytes = std::fs::read(folder.join("vae").join(weights)).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<u8>, Vec<usize>, safetensors::Dtype)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let mut data = view.data().to_vec();
+            if name == "encoder.conv_in.bias" {
+                assert_eq!(view.dtype(), safetensors::Dtype::F32);
+                data = f32::NAN.to_le_bytes().repeat(data.len() / 4);
+            }
+            (name, data, view.shape().to_vec(), view.dtype())
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(name, data, shape, dtype)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+            (name.as_str(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &vae.path().join(weights)).unwrap();
+
+    let output = tempfile::tempdir().unwrap();
+    let mut plan: TrainPlan = common::plan(output.path(), 3);
+    plan.model.tokenizers = plan.file.parent().unwrap().to_path_buf();
+    plan.model.source = ModelSource::Files(ModelFiles {
+        vae: vae.path().to_path_buf(),
+        ..ModelFiles::pipeline(&folder)
+    });
+    let error = common::run(&plan, Resume::Auto).unwrap_err().to_string();
+    assert!(
+        error.starts_with("the VAE produced non-finite values for "),
+        "{error}"
+    );
+    assert!(error.contains("examples/tiny/images/"), "{error}");
+}

@@ -269,10 +269,11 @@ fn run<B: Backend>(
         let stats = (hooks.end)();
         let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
         println!(
-            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB{}{stats}",
+            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB; {} products through cuBLAS so far{}{stats}",
             args.checkpointing,
             start.elapsed().as_secs_f64(),
             peak(),
+            burn_offload::cublas_products(),
             cold(step)
         );
     }

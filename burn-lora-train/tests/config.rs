@@ -262,6 +262,8 @@ fn the_example_configurations_validate() {
     );
     assert!(bench.model.tokenizers.ends_with("tiny"));
     assert_eq!(bench.datasets[0].resolutions, [1024]);
+    // Its three modes (resident, bf16 and e5m2 streamed) share one encoding of the dataset.
+    assert!(bench.datasets[0].cache_to_disk);
 
     let error = load(&examples.join("flux/config.yaml"), &[]).unwrap_err();
     let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();

@@ -367,6 +367,17 @@ mod tests {
         norm: GroupNorm<B>,
     }
 
+    /// `tensors` loaded into a fresh [`Tiny`] on the CPU in f32, names unchanged.
+    fn load_tiny(tensors: &NamedTensors) -> Result<Tiny<Flex>, LoadError> {
+        tensors.load(
+            tiny(),
+            str::to_string,
+            &Default::default(),
+            FloatDType::F32,
+            None,
+        )
+    }
+
     fn tiny() -> Tiny<Flex> {
         let device = Default::default();
         Tiny {
@@ -414,15 +425,7 @@ mod tests {
             key.strip_prefix("m.").map(str::to_string)
         })
         .unwrap();
-        let model = tensors
-            .load(
-                tiny(),
-                str::to_string,
-                &Default::default(),
-                FloatDType::F32,
-                None,
-            )
-            .unwrap();
+        let model = load_tiny(&tensors).unwrap();
         let values = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
         // Burn's [d_input, d_output] is the checkpoint's [d_output, d_input] transposed.
         assert_eq!(
@@ -469,15 +472,7 @@ mod tests {
             .unwrap()
             .dequantize();
         let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
-        let model = tensors
-            .load(
-                tiny(),
-                str::to_string,
-                &Default::default(),
-                FloatDType::F32,
-                None,
-            )
-            .unwrap();
+        let model = load_tiny(&tensors).unwrap();
         let loaded = model.proj.weight.val().into_data().to_vec::<f32>().unwrap();
         assert_eq!(loaded, transpose(&expected, 2, 3));
     }
@@ -496,15 +491,7 @@ mod tests {
         );
         let files = Checkpoint::open(&file).unwrap();
         let tensors = NamedTensors::new(files, &file, |key| Some(key.to_string())).unwrap();
-        let error = tensors
-            .load(
-                tiny(),
-                str::to_string,
-                &Default::default(),
-                FloatDType::F32,
-                None,
-            )
-            .unwrap_err();
+        let error = load_tiny(&tensors).unwrap_err();
         let LoadError::Keys { report, .. } = error else {
             panic!("expected a key report, got {error}");
         };

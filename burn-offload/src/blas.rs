@@ -50,6 +50,11 @@ fn switched_on() -> bool {
 /// Set once a cuBLAS call has failed: later products stay with Burn.
 static FAILED: AtomicBool = AtomicBool::new(false);
 
+/// Whether products go to cuBLAS now: switched on and not failed.
+pub(crate) fn enabled() -> bool {
+    switched_on() && !FAILED.load(AtomicOrdering::Relaxed)
+}
+
 /// Products run through cuBLAS so far, in this process.
 static PRODUCTS: AtomicU64 = AtomicU64::new(0);
 
@@ -179,32 +184,24 @@ fn data_type(dtype: DType) -> Option<cudaDataType> {
     }
 }
 
+fn layout(tensor: &CubeTensor<CudaRuntime>) -> Layout<'_> {
+    Layout {
+        shape: tensor.meta.shape(),
+        strides: tensor.meta.strides(),
+    }
+}
+
 /// `lhs · rhs` through cuBLAS, or `None` when it is switched off, unavailable, or the dtypes or
 /// layouts do not fit (see [`plan`]).
 pub(crate) fn matmul(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
 ) -> Option<CubeTensor<CudaRuntime>> {
-    if !switched_on()
-        || FAILED.load(AtomicOrdering::Relaxed)
-        || lhs.dtype != rhs.dtype
-        || lhs.qparams.is_some()
-    {
+    if !enabled() || lhs.dtype != rhs.dtype || lhs.qparams.is_some() {
         return None;
     }
     let dtype = data_type(lhs.dtype)?;
-    let layout = |t: &CubeTensor<CudaRuntime>| (t.meta.shape().to_vec(), t.meta.strides().to_vec());
-    let ((lhs_shape, lhs_strides), (rhs_shape, rhs_strides)) = (layout(lhs), layout(rhs));
-    let plan = plan(
-        Layout {
-            shape: &lhs_shape,
-            strides: &lhs_strides,
-        },
-        Layout {
-            shape: &rhs_shape,
-            strides: &rhs_strides,
-        },
-    )?;
+    let plan = plan(layout(lhs), layout(rhs))?;
     let blas = blas(&lhs.device)?;
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());

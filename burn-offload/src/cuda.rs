@@ -320,7 +320,9 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .map(|usage| usage.bytes_in_use)
     }
 
-    const BLAS: bool = true;
+    fn blas_enabled() -> bool {
+        crate::blas::enabled()
+    }
 
     fn blas_matmul(
         lhs: &CubeTensor<CudaRuntime>,

@@ -75,9 +75,11 @@ pub trait StreamTarget: Backend {
     /// Device bytes in use, where the backend reports them.
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
 
-    /// Whether [`blas_matmul`](Self::blas_matmul) may route products to a vendor BLAS (the
+    /// Whether [`blas_matmul`](Self::blas_matmul) routes products to a vendor BLAS now (the
     /// decorator prepares transposed and flattened views only then).
-    const BLAS: bool = false;
+    fn blas_enabled() -> bool {
+        false
+    }
 
     /// `lhs · rhs` with `float_matmul`'s broadcasting (missing leading dimensions broadcast
     /// too), computed by the device's vendor BLAS; `None` where the backend has none, it is

@@ -36,7 +36,7 @@ pub(super) fn linear_x_backward<B: StreamTarget>(
     weight: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    if B::BLAS {
+    if B::blas_enabled() {
         let weight_t = B::float_swap_dims(weight.clone(), 0, 1);
         if let Some(grad) = B::blas_matmul(&output_grad, &weight_t) {
             return grad;
@@ -51,7 +51,7 @@ pub(super) fn linear_weight_backward<B: StreamTarget>(
     x: FloatTensor<B>,
     output_grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    if B::BLAS {
+    if B::blas_enabled() {
         let rows = |t: &FloatTensor<B>| {
             let shape = t.shape();
             let cols = shape[shape.num_dims() - 1];

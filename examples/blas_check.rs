@@ -4,8 +4,11 @@
 //! their gradients), in f32 and in bf16; then each path is timed on FLUX-sized work.
 //!
 //! ```text
-//! cargo run --release --features cuda --example blas_check
+//! BURN_LORA_BLAS=all cargo run --release --features cuda --example blas_check
 //! ```
+//!
+//! `BURN_LORA_BLAS=all` sends the small products of the cases to cuBLAS too (by default only
+//! those worth the host waits go).
 //!
 //! `Offload<Cuda>` without streamed weights is Burn's CUDA backend with its products sent to
 //! cuBLAS; `Cuda` is Burn's own; `Autodiff<Flex>` in float64 on the same inputs (rounded to the
@@ -15,55 +18,16 @@
 //! (within 25 %, plus 1e-6 in f32 and 1e-3 in bf16). The program exits with an error when a
 //! case fails or when the products did not go through cuBLAS.
 
-use std::sync::OnceLock;
-use std::time::Instant;
+mod checks;
 
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData, module::linear};
 use burn_offload::{Offload, cublas_products};
+use checks::{Precision, clock, input, relative_error, time};
 
 type Routed = Offload<Cuda>;
-
-/// Values in [-1, 1) from a fixed xorshift sequence.
-fn data(shape: &[usize], seed: u64) -> TensorData {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let n: usize = shape.iter().product();
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect();
-    TensorData::new(values, shape.to_vec())
-}
-
-/// The dtypes of one run: inputs rounded to `input`, then computed in `compute`.
-#[derive(Clone, Copy)]
-struct Precision {
-    input: DType,
-    compute: DType,
-}
-
-fn input<B: Backend, const D: usize>(
-    shape: [usize; D],
-    seed: u64,
-    precision: Precision,
-    device: &B::Device,
-) -> Tensor<B, D> {
-    Tensor::<B, D>::from_data(data(&shape, seed), device)
-        .cast(precision.input)
-        .cast(precision.compute)
-}
-
-/// Seconds since the program started.
-fn clock() -> f64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
-}
 
 fn out<B: Backend, const D: usize>(name: &str, t: Tensor<B, D>) -> (String, TensorData) {
     let data = t.into_data().convert::<f64>();
@@ -131,30 +95,6 @@ fn cases<B: AutodiffBackend>(dtype: Precision, device: &B::Device) -> Vec<(Strin
     outs.push(out("attention k gradient", k.grad(&grads).unwrap()));
     outs.push(out("attention v gradient", v.grad(&grads).unwrap()));
     outs
-}
-
-fn relative_error(got: &TensorData, want: &TensorData) -> f64 {
-    let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (g, w) in got.iter().zip(&want) {
-        diff += (*g as f64 - *w as f64).powi(2);
-        norm += (*w as f64).powi(2);
-    }
-    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
-}
-
-/// Seconds per call of `f`, after `warm` untimed calls.
-fn time<B: Backend>(device: &B::Device, warm: usize, runs: usize, f: impl Fn()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    B::sync(device).unwrap();
-    let start = Instant::now();
-    for _ in 0..runs {
-        f();
-    }
-    B::sync(device).unwrap();
-    start.elapsed().as_secs_f64() / runs as f64
 }
 
 /// Seconds per call for each timed workload on `B`, with their FLOP.
@@ -241,7 +181,10 @@ fn main() {
         // The cases hold 14 products (5 matmuls, 3 for the linear layer, 6 for attention):
         // fewer means some fell back to Burn.
         if products < 14 || cublas_products() != before + products {
-            eprintln!("{products} products went through cuBLAS: the route was not taken");
+            eprintln!(
+                "{products} products went through cuBLAS: the route was not taken \
+                 (is BURN_LORA_BLAS=all set?)"
+            );
             failed = true;
         }
         println!("== {dtype:?}: relative L2 errors (cuBLAS vs f64 | Burn vs f64 | cuBLAS vs Burn)");

@@ -3,7 +3,8 @@
 //! with the device's peak memory.
 //!
 //! The model runs on `Autodiff<Offload<Cuda>>`, as the trainer's does: its matrix products go
-//! to cuBLAS unless `BURN_LORA_BLAS=0`. With `--stream-budget-gb X` its frozen weights move to
+//! to cuBLAS unless `BURN_LORA_BLAS=0`, its attention to the fused kernels with
+//! `BURN_LORA_FLASH=1`. With `--stream-budget-gb X` its frozen weights move to
 //! page-locked host memory and stream through burn-offload's ring, all but those that fit in an
 //! X GB VRAM budget (`--wire e5m2` sends them as FP8); without it they stay resident.
 //!
@@ -269,11 +270,12 @@ fn run<B: Backend>(
         let stats = (hooks.end)();
         let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
         println!(
-            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB; {} products through cuBLAS so far{}{stats}",
+            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB; {} products through cuBLAS, {} fused attentions so far{}{stats}",
             args.checkpointing,
             start.elapsed().as_secs_f64(),
             peak(),
             burn_offload::cublas_products(),
+            burn_offload::fused_attention_calls(),
             cold(step)
         );
     }

@@ -6,8 +6,9 @@
 //! streams, and the host keeps the two streams in step: the compute stream is drained before
 //! the call (the operands are written, and the output buffer's previous tenant is no longer
 //! read) and the cuBLAS stream is synchronized after it (the output is complete before any later
-//! kernel reads it or reuses the operands' memory). `BURN_LORA_BLAS=0` leaves every product to
-//! Burn's kernels.
+//! kernel reads it or reuses the operands' memory). Products too small to win back those waits
+//! stay with Burn's kernels; `BURN_LORA_BLAS=0` leaves every product to them, `=all` routes the
+//! small ones too.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -26,24 +27,39 @@ use cudarc::cublas::sys::{
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::cuda::drain;
-use crate::gemm::{GemmPlan, Layout, Operand, plan};
+use crate::gemm::{GemmPlan, Layout, MIN_ROUTED_FLOPS, Operand, plan};
 
-/// Whether products may go to cuBLAS: on unless `BURN_LORA_BLAS` is `0`, `off` or `false`.
-fn switched_on() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let on = !matches!(
-            std::env::var("BURN_LORA_BLAS").as_deref(),
-            Ok("0" | "off" | "false")
-        );
-        if on {
-            tracing::info!(
-                "matrix products: cuBLAS where the layout allows (BURN_LORA_BLAS=0 turns it off)"
-            );
-        } else {
-            tracing::info!("matrix products: Burn's kernels (BURN_LORA_BLAS=0)");
+/// Which products `BURN_LORA_BLAS` sends to cuBLAS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// `0`, `off` or `false`: none.
+    Off,
+    /// Unset or any other value: those worth the host waits ([`GemmPlan::worth_routing`]).
+    Large,
+    /// `all`: every product whose layout allows it, as the route's checks need.
+    All,
+}
+
+fn route() -> Route {
+    static ROUTE: OnceLock<Route> = OnceLock::new();
+    *ROUTE.get_or_init(|| {
+        let route = match std::env::var("BURN_LORA_BLAS").as_deref() {
+            Ok("0" | "off" | "false") => Route::Off,
+            Ok("all") => Route::All,
+            _ => Route::Large,
+        };
+        match route {
+            Route::Off => tracing::info!("matrix products: Burn's kernels (BURN_LORA_BLAS=0)"),
+            Route::Large => tracing::info!(
+                "matrix products: cuBLAS for those of at least {} GFLOP where the layout allows \
+                 (BURN_LORA_BLAS=0 turns it off, =all routes small ones too)",
+                MIN_ROUTED_FLOPS >> 30
+            ),
+            Route::All => tracing::info!(
+                "matrix products: cuBLAS for all where the layout allows (BURN_LORA_BLAS=all)"
+            ),
         }
-        on
+        route
     })
 }
 
@@ -52,7 +68,7 @@ static FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Whether products go to cuBLAS now: switched on and not failed.
 pub(crate) fn enabled() -> bool {
-    switched_on() && !FAILED.load(AtomicOrdering::Relaxed)
+    route() != Route::Off && !FAILED.load(AtomicOrdering::Relaxed)
 }
 
 /// Products run through cuBLAS so far, in this process.
@@ -191,8 +207,9 @@ fn layout(tensor: &CubeTensor<CudaRuntime>) -> Layout<'_> {
     }
 }
 
-/// `lhs · rhs` through cuBLAS, or `None` when it is switched off, unavailable, or the dtypes or
-/// layouts do not fit (see [`plan`]).
+/// `lhs · rhs` through cuBLAS, or `None` when it is switched off, unavailable, the dtypes or
+/// layouts do not fit (see [`plan`]) or the product is too small to win back the host waits
+/// (see [`GemmPlan::worth_routing`]).
 pub(crate) fn matmul(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
@@ -201,7 +218,8 @@ pub(crate) fn matmul(
         return None;
     }
     let dtype = data_type(lhs.dtype)?;
-    let plan = plan(layout(lhs), layout(rhs))?;
+    let plan = plan(layout(lhs), layout(rhs))
+        .filter(|plan| route() == Route::All || plan.worth_routing())?;
     let blas = blas(&lhs.device)?;
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());

@@ -24,7 +24,7 @@ use cubecl_common::future::{DynFut, block_on};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
 
 use crate::error::OffloadError;
-use crate::target::StreamTarget;
+use crate::target::{FusedAttention, StreamTarget};
 use crate::weight::{Encoding, HostMemory, HostWeight};
 
 fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
@@ -329,5 +329,35 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         rhs: &CubeTensor<CudaRuntime>,
     ) -> Option<CubeTensor<CudaRuntime>> {
         crate::blas::matmul(lhs, rhs)
+    }
+
+    fn fused_attention(
+        q: &CubeTensor<CudaRuntime>,
+        k: &CubeTensor<CudaRuntime>,
+        v: &CubeTensor<CudaRuntime>,
+        scale: f32,
+    ) -> Option<FusedAttention<Self>> {
+        let (output, row_stats) = crate::flash::forward(q, k, v, scale)?;
+        Some(FusedAttention { output, row_stats })
+    }
+
+    fn fused_attention_backward(
+        qkv: [&CubeTensor<CudaRuntime>; 3],
+        forward: &FusedAttention<Self>,
+        grad: CubeTensor<CudaRuntime>,
+        scale: f32,
+    ) -> [CubeTensor<CudaRuntime>; 3] {
+        let grad = if grad.dtype == DType::BF16 {
+            grad
+        } else {
+            Self::float_cast(grad, FloatDType::BF16)
+        };
+        crate::flash::backward(
+            qkv,
+            &forward.output,
+            &forward.row_stats,
+            &burn_cubecl::kernel::into_contiguous(grad),
+            scale,
+        )
     }
 }

@@ -52,6 +52,28 @@ pub struct GemmPlan {
     pub batch: usize,
 }
 
+/// Floating-point operations below which a product stays with Burn's kernels: the host waits
+/// around each routed product cost tens of microseconds, which a product this small (a LoRA
+/// factor, a modulation on the pooled vector) does not win back. 2³³ ≈ 8.6 GFLOP: at FLUX.1
+/// size every base projection, attention product and their gradients are routed, no LoRA
+/// factor is.
+pub const MIN_ROUTED_FLOPS: u64 = 1 << 33;
+
+impl GemmPlan {
+    /// Multiply-adds times two, over the whole batch.
+    pub fn flops(&self) -> u64 {
+        [self.m, self.n, self.k, self.batch]
+            .into_iter()
+            .fold(2, |acc, v| acc.saturating_mul(v as u64))
+    }
+
+    /// Whether the product is large enough to be worth handing to BLAS (see
+    /// [`MIN_ROUTED_FLOPS`]).
+    pub fn worth_routing(&self) -> bool {
+        self.flops() >= MIN_ROUTED_FLOPS
+    }
+}
+
 /// A matrix (the last two dimensions of an operand) as stored.
 #[derive(Debug, Clone, Copy)]
 enum Storage {
@@ -433,6 +455,28 @@ mod tests {
         let x = Strided::contiguous(&[12, 7], 1).transposed();
         let plan = check(&x, &Strided::contiguous(&[12, 4], 2));
         assert_eq!((plan.m, plan.n, plan.k), (4, 7, 12));
+    }
+
+    #[test]
+    fn only_products_larger_than_a_lora_factor_are_worth_routing() {
+        let linear = |rows: usize, d_in: usize, d_out: usize| {
+            let x = Strided::contiguous(&[1, rows, d_in], 1);
+            let w = Strided::contiguous(&[d_in, d_out], 2);
+            plan(x.layout(), w.layout()).unwrap()
+        };
+        // FLUX.1 at 1024²: 4096 image tokens, width 3072, LoRA rank 32.
+        let projection = linear(4096, 3072, 3072);
+        assert_eq!(projection.flops(), 2 * 4096 * 3072 * 3072);
+        assert!(projection.worth_routing());
+        assert!(linear(512, 3072, 3072).worth_routing());
+        assert!(!linear(4096, 3072, 32).worth_routing());
+        assert!(!linear(4096, 32, 3072).worth_routing());
+        assert!(!linear(1, 3072, 18432).worth_routing());
+        let q = Strided::contiguous(&[1, 24, 4608, 128], 3);
+        let k_t = Strided::contiguous(&[1, 24, 4608, 128], 4).transposed();
+        let scores = plan(q.layout(), k_t.layout()).unwrap();
+        assert_eq!(scores.flops(), 2 * 24 * 4608 * 4608 * 128);
+        assert!(scores.worth_routing());
     }
 
     #[test]

@@ -60,6 +60,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod attention;
 mod backend;
 #[cfg(feature = "cuda")]
 mod blas;
@@ -68,6 +69,8 @@ mod config;
 mod cuda;
 mod engine;
 mod error;
+#[cfg(feature = "cuda")]
+mod flash;
 #[cfg(any(feature = "cuda", test))]
 mod gemm;
 mod ops;
@@ -77,6 +80,7 @@ mod stream;
 mod target;
 mod weight;
 
+pub use attention::{attention, fused_attention_calls};
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 #[cfg(feature = "cuda")]
 pub use blas::cublas_products;
@@ -85,4 +89,4 @@ pub use error::OffloadError;
 pub use policy::{Route, ScheduleOutcome};
 pub use stats::StepStats;
 pub use stream::WeightStream;
-pub use target::StreamTarget;
+pub use target::{FusedAttention, StreamTarget};

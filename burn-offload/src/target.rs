@@ -88,6 +88,41 @@ pub trait StreamTarget: Backend {
         let _ = (lhs, rhs);
         None
     }
+
+    /// `softmax(scale · q kᵀ) v` for `[batch, heads, rows, head_dim]` tensors in one fused
+    /// kernel, with the per-row statistics its backward pass needs; `None` where the backend
+    /// has no such kernel or it does not take these tensors, and the caller computes attention
+    /// from separate ops.
+    fn fused_attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FusedAttention<Self>> {
+        let _ = (q, k, v, scale);
+        None
+    }
+
+    /// The gradients of `q`, `k` and `v` given the output's gradient, for an output that
+    /// [`fused_attention`](Self::fused_attention) computed.
+    fn fused_attention_backward(
+        qkv: [&FloatTensor<Self>; 3],
+        forward: &FusedAttention<Self>,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> [FloatTensor<Self>; 3] {
+        let _ = (qkv, forward, grad, scale);
+        unreachable!("a backend without fused attention never returns a fused forward")
+    }
+}
+
+/// What a fused attention forward pass returns: the output and what its backward pass needs.
+#[derive(Debug, Clone)]
+pub struct FusedAttention<B: Backend> {
+    /// `[batch, heads, len_q, head_dim]`.
+    pub output: FloatTensor<B>,
+    /// Per query row, the log-sum-exp of its scores (in the backend's own units).
+    pub row_stats: FloatTensor<B>,
 }
 
 /// Memory of one CPU ring slot, aligned for any element type.

@@ -15,12 +15,14 @@ pub enum ScoreBias<B: Backend> {
 
 /// Attention over heads, `softmax(q kᵀ / √d) v`, without mask.
 ///
-/// Every model calls attention through this one function, so that a fused kernel can replace
-/// it in one place. It computes the full score matrix: the two products in the inputs' dtype,
-/// the softmax in f32. This is the decomposition Burn 0.21 uses under `Autodiff` anyway; on the
-/// inner CUDA backend Burn's fused attention op is slower at FLUX sizes (4.5 s against 3.0 s
-/// for a whole checkpointed training step) and did not finish compiling within minutes for the
-/// VAE's single 512-wide head.
+/// Every model calls attention through this one function or [`attention`], so that a fused
+/// kernel replaces it in one place: on `Autodiff<Offload<Cuda>>` and `Offload<Cuda>`, bf16
+/// heads of 64 or 128 run burn-offload's fused kernels, forward and backward
+/// ([`burn_offload::attention`]). Elsewhere it computes the full score matrix: the two products
+/// in the inputs' dtype, the softmax in f32. This is the decomposition Burn 0.21 uses under
+/// `Autodiff` anyway; on the inner CUDA backend Burn's own fused attention op (forward only) is
+/// slower at FLUX sizes (4.5 s against 3.0 s for a whole checkpointed training step) and did
+/// not finish compiling within minutes for the VAE's single 512-wide head.
 ///
 /// # Shapes
 /// - `q`: `[batch, heads, len_q, head_dim]`
@@ -31,7 +33,8 @@ pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Te
     attention(q, k, v, scale, ScoreBias::None)
 }
 
-/// `softmax(scale · q kᵀ + bias) v`, computed as [`sdpa`] is (the bias added in f32).
+/// `softmax(scale · q kᵀ + bias) v`, computed as [`sdpa`] is (the bias added in f32; only
+/// attention without bias runs fused).
 ///
 /// # Shapes
 /// As [`sdpa`].
@@ -42,6 +45,11 @@ pub fn attention<B: Backend>(
     scale: f64,
     bias: ScoreBias<B>,
 ) -> Tensor<B, 4> {
+    if let ScoreBias::None = bias
+        && let Some(out) = burn_offload::attention(&q, &k, &v, scale)
+    {
+        return out;
+    }
     let dtype = q.dtype();
     let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) * scale;
     let scores = match bias {

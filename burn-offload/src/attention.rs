@@ -1,0 +1,230 @@
+//! Fused attention for models written against any backend: [`attention`] runs the inner
+//! backend's fused kernel ([`StreamTarget::fused_attention`]) as one autodiff op when the model
+//! runs on `Autodiff<Offload<B>>` or `Offload<B>` with such a kernel, and hands the inputs back
+//! otherwise, so the caller computes attention from separate ops.
+//!
+//! The model code is generic over `Backend`, which has no attention op that autodiff forwards
+//! to the inner backend (Burn 0.21 decomposes attention under `Autodiff`); the dispatch
+//! recognizes the decorator's backend types by `TypeId` instead.
+//!
+//! The fused path is opt-in: `BURN_LORA_FLASH=1` (or `on`, `true`). It trades speed for memory:
+//! at FLUX.1 size on the H200 its kernels are about twice as slow as the separate products
+//! (cuBLAS) and softmax, while they never hold the score matrix (a checkpointed training step's
+//! peak falls from 48.5 to 32.1 GB; benches/RESULTS.md).
+
+use std::any::{Any, TypeId};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::backend::{Offload, OffloadTensor};
+use crate::target::{FusedAttention, StreamTarget};
+
+/// Whether the fused path may run: when `BURN_LORA_FLASH` is `1`, `on` or `true`.
+fn switched_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let on = matches!(
+            std::env::var("BURN_LORA_FLASH").as_deref(),
+            Ok("1" | "on" | "true")
+        );
+        if on {
+            tracing::info!("attention: fused kernels where they apply (BURN_LORA_FLASH=1)");
+        }
+        on
+    })
+}
+
+/// Attention calls the fused kernels computed so far, in this process.
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many attention forward passes this process has run through a fused kernel (every
+/// other one ran as separate ops): lets a program check which path it measured.
+pub fn fused_attention_calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
+/// `value` as a `T` when it is one.
+fn exactly<A: 'static, T: 'static>(value: A) -> Option<T> {
+    let boxed: Box<dyn Any> = Box::new(value);
+    boxed.downcast::<T>().ok().map(|t| *t)
+}
+
+/// `softmax(scale · q kᵀ) v` over `[batch, heads, rows, head_dim]` tensors through the fused
+/// kernel of the backend under [`Offload`], or `None` when `B` is not `Autodiff<Offload<T>>` or
+/// `Offload<T>` (default policy and checkpointing) for a `T` listed in `dispatch!` below, the
+/// kernel does not take these tensors, or the path is not switched on; the caller then computes
+/// attention from separate ops.
+pub fn attention<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    scale: f64,
+) -> Option<Tensor<B, 4>> {
+    if switched_on() {
+        fused(q, k, v, scale)
+    } else {
+        None
+    }
+}
+
+/// [`attention`] whatever the switch says.
+fn fused<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    scale: f64,
+) -> Option<Tensor<B, 4>> {
+    /// Tries each listed inner backend's decorated types in turn.
+    macro_rules! dispatch {
+        ($($inner:ty),*) => {$(
+            if TypeId::of::<B>() == TypeId::of::<Autodiff<Offload<$inner>>>() {
+                return on::<B, Autodiff<Offload<$inner>>>([q, k, v], |qkv| tracked(qkv, scale));
+            }
+            if TypeId::of::<B>() == TypeId::of::<Offload<$inner>>() {
+                return on::<B, Offload<$inner>>([q, k, v], |qkv| untracked(qkv, scale));
+            }
+        )*};
+    }
+    // `Flex` has no fused kernel and declines; it is listed so that the CPU tests run the
+    // dispatch itself.
+    dispatch!(burn::backend::Flex);
+    #[cfg(feature = "cuda")]
+    dispatch!(burn::backend::Cuda);
+    None
+}
+
+/// Runs `f` on `qkv` seen as tensors of `T`, which is `B`.
+fn on<B: Backend, T: Backend>(
+    qkv: [&Tensor<B, 4>; 3],
+    f: impl FnOnce([Tensor<T, 4>; 3]) -> Option<Tensor<T, 4>>,
+) -> Option<Tensor<B, 4>> {
+    let same = "the caller compared the TypeIds";
+    let out = f(qkv.map(|t| exactly::<_, Tensor<T, 4>>(t.clone()).expect(same)))?;
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    Some(exactly(out).expect(same))
+}
+
+fn inner<T: StreamTarget>(tensor: &OffloadTensor<T>) -> Option<&FloatTensor<T>> {
+    tensor.as_inner()
+}
+
+/// The fused forward on `Offload<T>`, without gradients.
+fn untracked<T: StreamTarget>(
+    qkv: [Tensor<Offload<T>, 4>; 3],
+    scale: f64,
+) -> Option<Tensor<Offload<T>, 4>> {
+    let [q, k, v] = qkv.map(|t| t.into_primitive().tensor());
+    let forward = T::fused_attention(inner(&q)?, inner(&k)?, inner(&v)?, scale as f32)?;
+    Some(Tensor::from_primitive(TensorPrimitive::Float(
+        OffloadTensor::from_inner(forward.output),
+    )))
+}
+
+/// The fused forward on `Autodiff<Offload<T>>`, recorded as one op whose backward runs the
+/// fused backward kernel.
+fn tracked<T: StreamTarget>(
+    qkv: [Tensor<Autodiff<Offload<T>>, 4>; 3],
+    scale: f64,
+) -> Option<Tensor<Autodiff<Offload<T>>, 4>> {
+    let [q, k, v] = qkv.map(|t| t.into_primitive().tensor());
+    let (qi, ki, vi) = (
+        inner(&q.primitive)?,
+        inner(&k.primitive)?,
+        inner(&v.primitive)?,
+    );
+    let forward = T::fused_attention(qi, ki, vi, scale as f32)?;
+    let output = OffloadTensor::from_inner(forward.output.clone());
+    let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+    let prepared = <FusedBackward as Backward<Offload<T>, 3>>::prepare::<NoCheckpointing>;
+    let out = match prepared(FusedBackward, nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            let qkv = [qi.clone(), ki.clone(), vi.clone()];
+            prep.finish(
+                FusedState {
+                    qkv,
+                    forward,
+                    scale: scale as f32,
+                },
+                output,
+            )
+        }
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    Some(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// What the backward pass of one fused attention keeps from its forward pass.
+#[derive(Debug, Clone)]
+struct FusedState<T: StreamTarget> {
+    qkv: [FloatTensor<T>; 3],
+    forward: FusedAttention<T>,
+    scale: f32,
+}
+
+#[derive(Debug)]
+struct FusedBackward;
+
+impl<T: StreamTarget, P: crate::PrefetchPolicy> Backward<Offload<T, P>, 3> for FusedBackward {
+    type State = FusedState<T>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<Offload<T, P>>(&ops.node).into_inner();
+        let FusedState {
+            qkv,
+            forward,
+            scale,
+        } = ops.state;
+        let [q, k, v] = &qkv;
+        let gradients = T::fused_attention_backward([q, k, v], &forward, grad, scale);
+        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
+            if let Some(node) = parent {
+                let id: NodeId = node.id;
+                grads.register::<Offload<T, P>>(id, OffloadTensor::from_inner(gradient));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::Distribution;
+
+    /// A backend whose kernel declines, or that is not an offload backend, gets no fused
+    /// result and no fused call is counted, tracked or not.
+    #[test]
+    fn declined_attention_falls_back() {
+        fn check<B: Backend>() {
+            let device = Default::default();
+            let shape = [1, 2, 5, 8];
+            let [q, k, v] = [0.0, 1.0, 2.0].map(|mean| {
+                Tensor::<B, 4>::random(shape, Distribution::Normal(mean, 1.0), &device)
+            });
+            let calls = fused_attention_calls();
+            assert!(
+                fused(&q, &k, &v, 0.5).is_none(),
+                "no fused kernel on this backend"
+            );
+            assert_eq!(fused_attention_calls(), calls);
+        }
+        check::<Flex>();
+        check::<Offload<Flex>>();
+        check::<Autodiff<Offload<Flex>>>();
+    }
+}

@@ -1,0 +1,422 @@
+//! Fused attention on CUDA: the kernels of `flash_attention.cu`, compiled by NVRTC on first use
+//! for the device and head size, run on Burn-owned buffers. The mechanism behind
+//! [`attention`](crate::attention); ordered against CubeCL's stream the way the cuBLAS products
+//! are (`blas.rs`): the compute stream is drained before a launch and the kernels' stream
+//! synchronized after it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::server::Handle;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use crate::cuda::drain;
+
+/// Query rows per forward block and key rows per backward block (`TILE` in the source).
+const TILE: usize = 64;
+/// Threads per block of the two main kernels.
+const THREADS: u32 = 128;
+
+/// Bytes of dynamic shared memory the forward kernel uses for head size `d`.
+fn forward_shared(d: usize) -> usize {
+    3 * TILE * d * 2 + TILE * TILE * 2 + TILE * TILE * 4 + TILE * d * 4 + TILE * 4
+}
+
+/// Bytes of dynamic shared memory the backward kernel uses for head size `d`.
+fn backward_shared(d: usize) -> usize {
+    4 * TILE * d * 2 + 2 * TILE * TILE * 2 + TILE * TILE.max(d) * 4
+}
+
+/// Element strides of one `[batch, heads, rows, head_dim]` operand (the last is 1).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct Strides {
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+// SAFETY: plain old data laid out as the kernels' `struct Strides`.
+unsafe impl DeviceRepr for Strides {}
+
+/// The kernels for one device and head size, with the stream they run on.
+struct Kernels {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    forward: CudaFunction,
+    delta: CudaFunction,
+    backward: CudaFunction,
+    dq: CudaFunction,
+}
+
+impl Kernels {
+    fn new(device: &CudaDevice, head_dim: usize) -> Result<Self, String> {
+        let ctx = CudaContext::new(device.index).map_err(|e| e.to_string())?;
+        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+        let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
+        let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        if major < 8 {
+            return Err(format!(
+                "compute capability {major}.{minor} has no bf16 tensor cores"
+            ));
+        }
+        let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
+        let ptx = std::panic::catch_unwind(|| {
+            compile_ptx_with_opts(
+                include_str!("flash_attention.cu"),
+                CompileOptions {
+                    include_paths: vec![format!("{cuda}/include")],
+                    options: vec![
+                        format!("--gpu-architecture=sm_{major}{minor}"),
+                        format!("-DHEAD_DIM={head_dim}"),
+                        "--std=c++17".into(),
+                    ],
+                    name: Some("flash_attention.cu".into()),
+                    ..Default::default()
+                },
+            )
+        })
+        .map_err(|_| "libnvrtc could not be loaded".to_string())?
+        .map_err(|e| format!("NVRTC: {e:?}"))?;
+        let module = ctx.load_module(ptx).map_err(|e| e.to_string())?;
+        let function = |name: &str, shared: usize| -> Result<CudaFunction, String> {
+            let f = module.load_function(name).map_err(|e| e.to_string())?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| format!("{name}: {e}"))?;
+            Ok(f)
+        };
+        Ok(Self {
+            forward: function("flash_forward", forward_shared(head_dim))?,
+            delta: function("flash_backward_delta", 0)?,
+            backward: function("flash_backward", backward_shared(head_dim))?,
+            dq: function("flash_backward_dq", 0)?,
+            ctx,
+            stream,
+        })
+    }
+}
+
+/// The kernels for `device` and `head_dim`, compiled on first use; `None` (said once) when they
+/// cannot be.
+fn kernels(device: &CudaDevice, head_dim: usize) -> Option<Arc<Mutex<Kernels>>> {
+    type Cache = Mutex<HashMap<(usize, usize), Option<Arc<Mutex<Kernels>>>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap();
+    cache
+        .entry((device.index, head_dim))
+        .or_insert_with(|| match Kernels::new(device, head_dim) {
+            Ok(kernels) => Some(Arc::new(Mutex::new(kernels))),
+            Err(reason) => {
+                tracing::warn!(
+                    "fused attention unavailable for head size {head_dim} ({reason}); \
+                     attention runs as separate products and a softmax"
+                );
+                None
+            }
+        })
+        .clone()
+}
+
+/// `[batch, heads, rows, head_dim]` of a bf16 tensor the kernels can read in place (unit stride
+/// on the head dimension, the others multiples of 8 elements for 16-byte loads), and its strides.
+fn operand(t: &CubeTensor<CudaRuntime>) -> Option<([usize; 4], Strides)> {
+    let (shape, strides) = (t.meta.shape(), t.meta.strides());
+    if t.dtype != DType::BF16 || t.qparams.is_some() || shape.len() != 4 || strides[3] != 1 {
+        return None;
+    }
+    if strides[..3].iter().any(|s| s % 8 != 0) {
+        return None;
+    }
+    let stride = |i: usize| i64::try_from(strides[i]).ok();
+    Some((
+        [shape[0], shape[1], shape[2], shape[3]],
+        Strides {
+            batch: stride(0)?,
+            head: stride(1)?,
+            row: stride(2)?,
+        },
+    ))
+}
+
+/// Device address of a buffer, when it is 16-byte aligned.
+fn address(client: &cubecl::client::ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
+    let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
+    (ptr % 16 == 0).then_some(ptr)
+}
+
+fn blocks(rows: usize) -> u32 {
+    rows.div_ceil(TILE) as u32
+}
+
+/// The checked shapes of one attention call: `q` `[b, h, lq, d]`, `k` and `v` `[b, h, lk, d]`.
+struct Problem {
+    batch: usize,
+    heads: usize,
+    len_q: usize,
+    len_k: usize,
+    head_dim: usize,
+    strides: [Strides; 3],
+}
+
+impl Problem {
+    fn new(
+        q: &CubeTensor<CudaRuntime>,
+        k: &CubeTensor<CudaRuntime>,
+        v: &CubeTensor<CudaRuntime>,
+    ) -> Option<Self> {
+        let ((qd, qs), (kd, ks), (vd, vs)) = (operand(q)?, operand(k)?, operand(v)?);
+        let [batch, heads, len_q, head_dim] = qd;
+        let len_k = kd[2];
+        let fits = [batch * heads, len_q, len_k]
+            .iter()
+            .all(|&n| i32::try_from(n).is_ok() && n > 0);
+        (fits && matches!(head_dim, 64 | 128) && kd == [batch, heads, len_k, head_dim] && vd == kd)
+            .then_some(Self {
+                batch,
+                heads,
+                len_q,
+                len_k,
+                head_dim,
+                strides: [qs, ks, vs],
+            })
+    }
+
+    fn rows_q(&self) -> usize {
+        self.batch * self.heads * self.len_q
+    }
+}
+
+/// A fresh contiguous tensor of `shape` and `dtype` on `like`'s device.
+fn empty(
+    like: &CubeTensor<CudaRuntime>,
+    shape: Vec<usize>,
+    dtype: DType,
+) -> CubeTensor<CudaRuntime> {
+    let shape = Shape::from(shape);
+    let handle = like.client.empty(shape.num_elements() * dtype.size());
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        dtype,
+    )
+}
+
+/// `softmax(scale · q kᵀ) v` and the rows' base-2 log-sum-exp (f32 `[b, h, lq]`, for the
+/// backward pass), or `None` when the kernels do not take these tensors (dtype other than bf16,
+/// head size other than 64 or 128, layout) or are unavailable.
+pub(crate) fn forward(
+    q: &CubeTensor<CudaRuntime>,
+    k: &CubeTensor<CudaRuntime>,
+    v: &CubeTensor<CudaRuntime>,
+    scale: f32,
+) -> Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+    let problem = Problem::new(q, k, v)?;
+    let kernels = kernels(&q.device, problem.head_dim)?;
+    let Problem {
+        batch,
+        heads,
+        len_q,
+        len_k,
+        head_dim,
+        strides: [qs, ks, vs],
+    } = problem;
+    let out = empty(q, vec![batch, heads, len_q, head_dim], DType::BF16);
+    let lse = empty(q, vec![batch, heads, len_q], DType::F32);
+    let client = &q.client;
+    let [qp, kp, vp, op, lp] =
+        [&q.handle, &k.handle, &v.handle, &out.handle, &lse.handle].map(|h| address(client, h));
+    let (qp, kp, vp, op, lp) = (qp?, kp?, vp?, op?, lp?);
+    let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let kernels = kernels.lock().unwrap();
+    let launched = run(&kernels, client, |k| {
+        let mut launch = k.stream.launch_builder(&k.forward);
+        launch
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&op)
+            .arg(&lp)
+            .arg(&heads_i)
+            .arg(&len_q_i)
+            .arg(&len_k_i)
+            .arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&scale_log2);
+        // SAFETY: the arguments match `flash_forward`'s parameters; the buffers hold the
+        // extents `Problem` checked, `out` and `lse` were allocated for them.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (blocks(len_q), (batch * heads) as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: forward_shared(head_dim) as u32,
+            })
+        }
+        .map(drop)
+        .map_err(|e| e.to_string())
+    });
+    match launched {
+        Ok(()) => Some((out, lse)),
+        Err(reason) => {
+            tracing::warn!("fused attention forward failed ({reason}); using separate ops");
+            None
+        }
+    }
+}
+
+/// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given the forward's
+/// output and log-sum-exp. Panics when the kernels fail: a forward that ran has no other
+/// backward.
+pub(crate) fn backward(
+    [q, k, v]: [&CubeTensor<CudaRuntime>; 3],
+    out: &CubeTensor<CudaRuntime>,
+    lse: &CubeTensor<CudaRuntime>,
+    grad: &CubeTensor<CudaRuntime>,
+    scale: f32,
+) -> [CubeTensor<CudaRuntime>; 3] {
+    let problem = Problem::new(q, k, v).expect("the forward pass checked these tensors");
+    let Problem {
+        batch,
+        heads,
+        len_q,
+        len_k,
+        head_dim,
+        strides: [qs, ks, vs],
+    } = problem;
+    let (grad_dims, ds) = operand(grad).expect("the output gradient is a bf16 [b, h, lq, d]");
+    assert_eq!(
+        grad_dims,
+        [batch, heads, len_q, head_dim],
+        "output gradient shape"
+    );
+    let kernels = kernels(&q.device, head_dim).expect("compiled for the forward pass");
+    let rows = problem.rows_q();
+    let delta = empty(q, vec![rows], DType::F32);
+    let dq_acc = empty(q, vec![rows * head_dim], DType::F32);
+    let dq = empty(q, vec![batch, heads, len_q, head_dim], DType::BF16);
+    let dk = empty(q, vec![batch, heads, len_k, head_dim], DType::BF16);
+    let dv = empty(q, vec![batch, heads, len_k, head_dim], DType::BF16);
+    let client = &q.client;
+    let handles = [
+        &q.handle,
+        &k.handle,
+        &v.handle,
+        &out.handle,
+        &lse.handle,
+        &grad.handle,
+        &delta.handle,
+        &dq_acc.handle,
+        &dq.handle,
+        &dk.handle,
+        &dv.handle,
+    ];
+    let [qp, kp, vp, op, lp, gp, deltap, accp, dqp, dkp, dvp] =
+        handles.map(|h| address(client, h).expect("Burn's buffers are 16-byte aligned"));
+    let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
+    let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let kernels = kernels.lock().unwrap();
+    let done = run(&kernels, client, |k| {
+        // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                accp,
+                0,
+                rows * head_dim * size_of::<f32>(),
+                k.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        let rows_per_block = (THREADS / 32) as usize;
+        let mut launch = k.stream.launch_builder(&k.delta);
+        launch
+            .arg(&op)
+            .arg(&gp)
+            .arg(&deltap)
+            .arg(&heads_i)
+            .arg(&len_q_i)
+            .arg(&rows_i)
+            .arg(&ds);
+        // SAFETY: the arguments match `flash_backward_delta`'s parameters; one warp per row.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| e.to_string())?;
+        let mut launch = k.stream.launch_builder(&k.backward);
+        launch
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&gp)
+            .arg(&lp)
+            .arg(&deltap)
+            .arg(&accp)
+            .arg(&dkp)
+            .arg(&dvp)
+            .arg(&heads_i)
+            .arg(&len_q_i)
+            .arg(&len_k_i)
+            .arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&scale_log2)
+            .arg(&scale);
+        // SAFETY: the arguments match `flash_backward`'s parameters; every buffer was
+        // allocated for the extents `Problem` checked.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (blocks(len_k), (batch * heads) as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: backward_shared(head_dim) as u32,
+            })
+        }
+        .map_err(|e| e.to_string())?;
+        let mut launch = k.stream.launch_builder(&k.dq);
+        launch.arg(&accp).arg(&dqp).arg(&elements);
+        // SAFETY: the arguments match `flash_backward_dq`'s parameters.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: ((rows * head_dim).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map(drop)
+        .map_err(|e| e.to_string())
+    });
+    if let Err(reason) = done {
+        panic!("fused attention backward failed: {reason}");
+    }
+    [dq, dk, dv]
+}
+
+/// Runs `launch` on the kernels' stream between the two host synchronizations.
+fn run(
+    kernels: &Kernels,
+    client: &cubecl::client::ComputeClient<CudaRuntime>,
+    launch: impl FnOnce(&Kernels) -> Result<(), String>,
+) -> Result<(), String> {
+    kernels.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    drain(client);
+    launch(kernels)?;
+    kernels.stream.synchronize().map_err(|e| e.to_string())
+}

@@ -1,0 +1,72 @@
+//! What the GPU check programs (`blas_check`, `attention_check`) share: deterministic inputs in
+//! a chosen precision, relative errors, a clock and a timer.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+/// Values in [-1, 1) from a fixed xorshift sequence.
+fn data(shape: &[usize], seed: u64) -> TensorData {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect();
+    TensorData::new(values, shape.to_vec())
+}
+
+/// The dtypes of one run: inputs rounded to `input`, then computed in `compute`.
+#[derive(Clone, Copy)]
+pub struct Precision {
+    pub input: DType,
+    pub compute: DType,
+}
+
+/// The inputs `seed` names, rounded to `precision.input`, held in `precision.compute`.
+pub fn input<B: Backend, const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    precision: Precision,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, D>::from_data(data(&shape, seed), device)
+        .cast(precision.input)
+        .cast(precision.compute)
+}
+
+/// Seconds since the program started.
+pub fn clock() -> f64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// `‖got − want‖ / ‖want‖`, in f64.
+pub fn relative_error(got: &TensorData, want: &TensorData) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter::<f64>().zip(want.iter::<f64>()) {
+        diff += (g - w).powi(2);
+        norm += w.powi(2);
+    }
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Seconds per call of `f`, after `warm` untimed calls.
+pub fn time<B: Backend>(device: &B::Device, warm: usize, runs: usize, f: impl Fn()) -> f64 {
+    for _ in 0..warm {
+        f();
+    }
+    B::sync(device).unwrap();
+    let start = Instant::now();
+    for _ in 0..runs {
+        f();
+    }
+    B::sync(device).unwrap();
+    start.elapsed().as_secs_f64() / runs as f64
+}

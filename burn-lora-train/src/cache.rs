@@ -199,7 +199,9 @@ fn encode_latents<B: Backend>(
                     Ok(Tensor::<B, 3>::from_data(data, device))
                 })
                 .collect::<Result<Vec<_>, DatasetError>>()?;
-            let encoded = vae.normalize_latents(vae.encode(Tensor::stack(pixels, 0)).mode());
+            // The pixels come as f32; the VAE's weights are in the model's dtype.
+            let images = Tensor::stack(pixels, 0).cast(plan.model.dtype);
+            let encoded = vae.normalize_latents(vae.encode(images).mode());
             for (&i, latent) in chunk.iter().zip(encoded.iter_dim(0)) {
                 let latent = latent.squeeze_dim::<3>(0).into_data();
                 if !finite(&latent) {

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::backend::Flex;
-use burn::tensor::TensorData;
+use burn::tensor::{DType, TensorData};
 use burn_lora_train::cache::{CACHE_FOLDER, Prepared, prepare};
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::dataset::Dataset;
@@ -153,4 +153,22 @@ fn a_cache_holding_a_non_finite_value_is_rebuilt() {
     assert_eq!(rebuilt.captions, first.captions);
     assert_eq!(rebuilt.latents, first.latents);
     assert_eq!(std::fs::read(&files[0]).unwrap(), bytes);
+}
+
+/// The images load as f32 and must reach a bf16 VAE in bf16: the CPU backend refuses mixed
+/// operands, and CUDA's direct convolution reads all of them in the input's dtype.
+#[test]
+fn a_bf16_model_encodes_to_finite_bf16_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut plan = cached_plan(dir.path());
+    plan.model.dtype = DType::BF16;
+    let prepared = run(&plan);
+    let finite = |data: &TensorData| data.iter::<f32>().all(f32::is_finite);
+    for latent in &prepared.latents {
+        assert_eq!(latent.dtype, DType::BF16);
+        assert!(finite(latent));
+    }
+    for caption in prepared.captions.iter().chain([&prepared.empty]) {
+        assert!(finite(&caption.pooled) && finite(&caption.states));
+    }
 }

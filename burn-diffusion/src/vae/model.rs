@@ -94,7 +94,8 @@ impl<B: Backend> AutoencoderKl<B> {
         &self.config
     }
 
-    /// The latent distribution of images with pixels in `[-1, 1]`.
+    /// The latent distribution of images with pixels in `[-1, 1]`, in the dtype of the model's
+    /// weights (the convolutions take operands of one dtype).
     ///
     /// # Shapes
     /// - `images`: `[batch, in_channels, height, width]`, sides divisible by
@@ -118,7 +119,7 @@ impl<B: Backend> AutoencoderKl<B> {
     }
 
     /// Images with pixels in about `[-1, 1]` from latents (not normalized: see
-    /// [`AutoencoderKl::denormalize_latents`]).
+    /// [`AutoencoderKl::denormalize_latents`]) in the dtype of the model's weights.
     ///
     /// # Shapes
     /// - `latents`: `[batch, latent_channels, h, w]`

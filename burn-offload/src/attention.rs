@@ -1,6 +1,6 @@
 //! Fused attention for models written against any backend: [`attention`] runs the inner
 //! backend's fused kernel ([`StreamTarget::fused_attention`]) as one autodiff op when the model
-//! runs on `Autodiff<Offload<B>>` or `Offload<B>` with such a kernel, and hands the inputs back
+//! runs on `Autodiff<Offload<B>>` or `Offload<B>` with such a kernel, and returns `None`
 //! otherwise, so the caller computes attention from separate ops.
 //!
 //! The model code is generic over `Backend`, which has no attention op that autodiff forwards

@@ -17,7 +17,6 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::Autodiff;
-use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
@@ -193,8 +192,7 @@ impl<T: StreamTarget, P: crate::PrefetchPolicy> Backward<Offload<T, P>, 3> for F
         let gradients = T::fused_attention_backward([q, k, v], &forward, grad, scale);
         for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
             if let Some(node) = parent {
-                let id: NodeId = node.id;
-                grads.register::<Offload<T, P>>(id, OffloadTensor::from_inner(gradient));
+                grads.register::<Offload<T, P>>(node.id, OffloadTensor::from_inner(gradient));
             }
         }
     }

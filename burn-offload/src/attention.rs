@@ -113,17 +113,13 @@ fn on<B: Backend, T: Backend>(
     Some(exactly(out).expect(same))
 }
 
-fn inner<T: StreamTarget>(tensor: &OffloadTensor<T>) -> Option<&FloatTensor<T>> {
-    tensor.as_inner()
-}
-
 /// The fused forward on `Offload<T>`, without gradients.
 fn untracked<T: StreamTarget>(
     qkv: [Tensor<Offload<T>, 4>; 3],
     scale: f64,
 ) -> Option<Tensor<Offload<T>, 4>> {
     let [q, k, v] = qkv.map(|t| t.into_primitive().tensor());
-    let forward = T::fused_attention(inner(&q)?, inner(&k)?, inner(&v)?, scale as f32)?;
+    let forward = T::fused_attention(q.as_inner()?, k.as_inner()?, v.as_inner()?, scale as f32)?;
     Some(Tensor::from_primitive(TensorPrimitive::Float(
         OffloadTensor::from_inner(forward.output),
     )))
@@ -137,9 +133,9 @@ fn tracked<T: StreamTarget>(
 ) -> Option<Tensor<Autodiff<Offload<T>>, 4>> {
     let [q, k, v] = qkv.map(|t| t.into_primitive().tensor());
     let (qi, ki, vi) = (
-        inner(&q.primitive)?,
-        inner(&k.primitive)?,
-        inner(&v.primitive)?,
+        q.primitive.as_inner()?,
+        k.primitive.as_inner()?,
+        v.primitive.as_inner()?,
     );
     let forward = T::fused_attention(qi, ki, vi, scale as f32)?;
     let output = OffloadTensor::from_inner(forward.output.clone());

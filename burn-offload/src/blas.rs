@@ -17,16 +17,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
-use cubecl::server::Handle;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType,
 };
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::cuda::drain;
+use crate::cuda::{address, host_ordered};
 use crate::gemm::{GemmPlan, Layout, MIN_ROUTED_FLOPS, Operand, plan};
 
 /// Which products `BURN_LORA_BLAS` sends to cuBLAS.
@@ -106,21 +104,6 @@ impl Blas {
             stream,
             handle,
         })
-    }
-
-    /// Runs `plan` on device addresses `a` (Burn's rhs), `b` (Burn's lhs) and `c` (the output)
-    /// between the two host synchronizations.
-    fn product(
-        &self,
-        client: &ComputeClient<CudaRuntime>,
-        plan: &GemmPlan,
-        addresses: [u64; 3],
-        dtype: cudaDataType,
-    ) -> Result<(), String> {
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        drain(client);
-        self.gemm(plan, addresses, dtype)?;
-        self.stream.synchronize().map_err(|e| e.to_string())
     }
 
     /// Queues `plan` on the cuBLAS stream.
@@ -224,17 +207,15 @@ pub(crate) fn matmul(
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());
     let out = client.empty(out_shape.num_elements() * lhs.dtype.size());
-    let address = |handle: &Handle| {
-        client
-            .get_resource(handle.clone())
-            .ok()
-            .map(|resource| resource.resource().ptr)
-    };
-    let addresses = [address(&rhs.handle)?, address(&lhs.handle)?, address(&out)?];
-    let done = blas
-        .lock()
-        .unwrap()
-        .product(client, &plan, addresses, dtype);
+    let addresses = [
+        address(client, &rhs.handle)?,
+        address(client, &lhs.handle)?,
+        address(client, &out)?,
+    ];
+    let blas = blas.lock().unwrap();
+    let done = host_ordered(client, &blas.ctx, &blas.stream, || {
+        blas.gemm(&plan, addresses, dtype)
+    });
     if let Err(reason) = done {
         tracing::warn!("cuBLAS failed on {plan:?} ({reason}); Burn's kernels run from now on");
         FAILED.store(true, AtomicOrdering::Relaxed);

@@ -1,8 +1,7 @@
 //! Fused attention on CUDA: the kernels of `flash_attention.cu`, compiled by NVRTC on first use
 //! for the device and head size, run on Burn-owned buffers. The mechanism behind
-//! [`attention`](crate::attention); ordered against CubeCL's stream the way the cuBLAS products
-//! are (`blas.rs`): the compute stream is drained before a launch and the kernels' stream
-//! synchronized after it.
+//! [`attention`](crate::attention); ordered against CubeCL's stream as the cuBLAS products are
+//! (`cuda::host_ordered`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,7 +16,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::cuda::drain;
+use crate::cuda::{address, host_ordered};
 
 /// Query rows per forward block and key rows per backward block (`TILE` in the source).
 const TILE: usize = 64;
@@ -150,9 +149,11 @@ fn operand(t: &CubeTensor<CudaRuntime>) -> Option<([usize; 4], Strides)> {
 }
 
 /// Device address of a buffer, when it is 16-byte aligned.
-fn address(client: &cubecl::client::ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
-    let ptr = client.get_resource(handle.clone()).ok()?.resource().ptr;
-    (ptr % 16 == 0).then_some(ptr)
+fn aligned_address(
+    client: &cubecl::client::ComputeClient<CudaRuntime>,
+    handle: &Handle,
+) -> Option<u64> {
+    address(client, handle).filter(|ptr| ptr % 16 == 0)
 }
 
 fn blocks(rows: usize) -> u32 {
@@ -236,13 +237,13 @@ pub(crate) fn forward(
     let out = empty(q, vec![batch, heads, len_q, head_dim], DType::BF16);
     let lse = empty(q, vec![batch, heads, len_q], DType::F32);
     let client = &q.client;
-    let [qp, kp, vp, op, lp] =
-        [&q.handle, &k.handle, &v.handle, &out.handle, &lse.handle].map(|h| address(client, h));
+    let [qp, kp, vp, op, lp] = [&q.handle, &k.handle, &v.handle, &out.handle, &lse.handle]
+        .map(|h| aligned_address(client, h));
     let (qp, kp, vp, op, lp) = (qp?, kp?, vp?, op?, lp?);
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let kernels = kernels.lock().unwrap();
-    let launched = run(&kernels, client, |k| {
+    let k = kernels.lock().unwrap();
+    let launched = host_ordered(client, &k.ctx, &k.stream, || {
         let mut launch = k.stream.launch_builder(&k.forward);
         launch
             .arg(&qp)
@@ -325,12 +326,12 @@ pub(crate) fn backward(
         &dv.handle,
     ];
     let [qp, kp, vp, op, lp, gp, deltap, accp, dqp, dkp, dvp] =
-        handles.map(|h| address(client, h).expect("Burn's buffers are 16-byte aligned"));
+        handles.map(|h| aligned_address(client, h).expect("Burn's buffers are 16-byte aligned"));
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let kernels = kernels.lock().unwrap();
-    let done = run(&kernels, client, |k| {
+    let k = kernels.lock().unwrap();
+    let done = host_ordered(client, &k.ctx, &k.stream, || {
         // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
         unsafe {
             cudarc::driver::result::memset_d8_async(
@@ -407,16 +408,4 @@ pub(crate) fn backward(
         panic!("fused attention backward failed: {reason}");
     }
     [dq, dk, dv]
-}
-
-/// Runs `launch` on the kernels' stream between the two host synchronizations.
-fn run(
-    kernels: &Kernels,
-    client: &cubecl::client::ComputeClient<CudaRuntime>,
-    launch: impl FnOnce(&Kernels) -> Result<(), String>,
-) -> Result<(), String> {
-    kernels.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    drain(client);
-    launch(kernels)?;
-    kernels.stream.synchronize().map_err(|e| e.to_string())
 }

@@ -7,10 +7,11 @@
 //! to the inner backend (Burn 0.21 decomposes attention under `Autodiff`); the dispatch
 //! recognizes the decorator's backend types by `TypeId` instead.
 //!
-//! The fused path is opt-in: `BURN_LORA_FLASH=1` (or `on`, `true`). It trades speed for memory:
-//! at FLUX.1 size on the H200 its kernels are about twice as slow as the separate products
-//! (cuBLAS) and softmax, while they never hold the score matrix (a checkpointed training step's
-//! peak falls from 48.5 to 32.1 GB; benches/RESULTS.md).
+//! The fused path is opt-in: `BURN_LORA_FLASH=1` (or `on`, `true`). Its kernels never hold the
+//! score matrix (a checkpointed FLUX.1 step's peak fell from 48.5 to 32.1 GB on the H200;
+//! benches/RESULTS.md); whether they are also faster than the separate products (cuBLAS) and
+//! softmax is measured by `examples/attention_check.rs` (burn-offload/DESIGN.md, "Fused
+//! attention").
 
 use std::any::{Any, TypeId};
 use std::sync::OnceLock;

@@ -23,14 +23,22 @@ const TILE: usize = 64;
 /// Threads per block of the two main kernels.
 const THREADS: u32 = 128;
 
-/// Bytes of dynamic shared memory the forward kernel uses for head size `d`.
-fn forward_shared(d: usize) -> usize {
-    3 * TILE * d * 2 + TILE * TILE * 2 + TILE * TILE * 4 + TILE * d * 4 + TILE * 4
+/// Bytes of one bf16 `[TILE][d + 8]` tile in shared memory (rows padded by 16 bytes).
+fn tile_bytes(d: usize) -> usize {
+    TILE * (d + 8) * 2
 }
 
-/// Bytes of dynamic shared memory the backward kernel uses for head size `d`.
+/// Bytes of dynamic shared memory the forward kernel uses for head size `d`: K and V, double
+/// buffered.
+fn forward_shared(d: usize) -> usize {
+    4 * tile_bytes(d)
+}
+
+/// Bytes of dynamic shared memory the backward kernel uses for head size `d`: K, V, double
+/// buffered q and dO tiles, the transposed score gradients and two double-buffered rows of f32
+/// statistics.
 fn backward_shared(d: usize) -> usize {
-    4 * TILE * d * 2 + 2 * TILE * TILE * 2 + TILE * TILE.max(d) * 4
+    6 * tile_bytes(d) + tile_bytes(TILE) + 4 * TILE * 4
 }
 
 /// Element strides of one `[batch, heads, rows, head_dim]` operand (the last is 1).

@@ -1,74 +1,170 @@
 // Fused attention, softmax(scale · q kᵀ) v, forward and backward, for bf16 tensors
 // [batch, heads, rows, HEAD_DIM] whose last dimension is contiguous. Online softmax over tiles
-// of 64 keys (the score matrix is never stored), products on tensor cores through WMMA
-// (bf16 in, f32 accumulate). Compiled at run time by NVRTC with -DHEAD_DIM=64 or 128.
+// of 64 keys (the score matrix is never stored); products on tensor cores with mma.sync
+// m16n8k16 (bf16 in, f32 accumulate), operands read from shared memory by ldmatrix, tiles
+// brought in by cp.async one step ahead of their use. Compiled at run time by NVRTC with
+// -DHEAD_DIM=64 or 128, for compute capability 8.0 or later.
 //
-// Forward: one block of 4 warps per 64 query rows; each warp owns 16 rows, keeps its output
-// accumulator in shared memory (rescaled by the running maximum) and writes the output and the
-// row's log-sum-exp (base 2, in units of scale · log2 e · q·k).
-// Backward: one block per 64 keys; it walks all query tiles, recomputes the probabilities from
-// the log-sum-exp, accumulates dK and dV in registers and adds dQ into an f32 buffer with
-// atomics.
+// Forward: one block of 4 warps per 64 query rows; each warp owns 16 rows and keeps its scores,
+// probabilities and output accumulator in registers (an accumulator tile of one product has the
+// layout of the next product's left operand). It writes the output and the row's log-sum-exp
+// (base 2, in units of scale · log2 e · q·k).
+// Backward: one block per 64 keys; each warp owns 16 keys, walks all query tiles, recomputes
+// the transposed probabilities from the log-sum-exp, accumulates dK and dV in registers and adds
+// dQ into an f32 buffer with atomics.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4): an accumulator holds
+// (row g, columns 2t, 2t+1) and (row g+8, the same columns); a left operand holds (row g,
+// k 2t..2t+1), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..); a right operand holds
+// (k 2t..2t+1, column g) and (k 2t+8.., column g).
 
 #include <cuda_bf16.h>
-#include <mma.h>
 
-using namespace nvcuda;
 typedef __nv_bfloat16 bf16;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 constexpr int D = HEAD_DIM;
-constexpr int TILE = 64;          // query rows per forward block, key rows per backward block
+constexpr int TILE = 64;           // query rows per forward block, key rows per backward block
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int ROWS = TILE / WARPS; // rows per warp: one WMMA tile high
+constexpr int LD = D + 8;          // shared row stride of a [TILE][D] tile: rows 16 bytes apart in
+                                   // the banks, so ldmatrix reads 8 rows without conflicts
+constexpr int TILE_ELEMS = TILE * LD;
+constexpr int LDS = TILE + 8;      // shared row stride of the backward's [keys][queries] dS tile
+constexpr int DSTEPS = D / 16;     // k-steps over the head dimension
+constexpr int DCOLS = D / 8;       // accumulator tiles across the head dimension
+constexpr int TSTEPS = TILE / 16;  // k-steps over a tile of rows
+constexpr int TCOLS = TILE / 8;    // accumulator tiles across a tile of rows
 
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> RowA;
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> ColA;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowB;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColB;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 
-// TILE rows of D values from global memory (rows `stride` apart) into a dense [TILE][D] tile;
-// rows from `valid` on are zeros. 16-byte copies: the caller checks the alignment.
+// Four 8 × 8 matrices from shared memory; lane i gives the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix(unsigned (&r)[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p)));
+}
+
+// As `ldmatrix`, each matrix transposed.
+__device__ __forceinline__ void ldmatrix_t(unsigned (&r)[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p)));
+}
+
+// c += a · b for one 16 × 8 accumulator tile.
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half.
+__device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// The left operand of k-step `s` of a product whose left factor is an accumulator row of tiles.
+__device__ __forceinline__ void left_from(unsigned (&a)[4], const float (&acc)[TCOLS][4], int s) {
+    a[0] = pack(acc[2 * s][0], acc[2 * s][1]);
+    a[1] = pack(acc[2 * s][2], acc[2 * s][3]);
+    a[2] = pack(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+    a[3] = pack(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+}
+
+// Asynchronous copy of `bytes` (4 or 16) from global to shared memory; zeros when `valid` is
+// false (nothing is read then).
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+    const int size = valid ? BYTES : 0;
+    if (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+                     "l"(src), "r"(size));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(dst)),
+                     "l"(src), "r"(size));
+}
+
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Starts copying TILE rows of D values from global memory (rows `stride` apart) into a
+// [TILE][LD] tile; rows from `valid` on become zeros. The caller checks 16-byte alignment.
 __device__ void load_tile(bf16* dst, const bf16* src, long long stride, int valid) {
     constexpr int CHUNKS = D / 8;
     for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
-        int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-        uint4 value = make_uint4(0, 0, 0, 0);
-        if (r < valid) value = *reinterpret_cast<const uint4*>(src + r * stride + c);
-        *reinterpret_cast<uint4*>(dst + r * D + c) = value;
+        const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        const bool live = r < valid;
+        copy_async<16>(dst + r * LD + c, live ? src + r * stride + c : src, live);
     }
 }
 
-// out (16 × TILE, f32, row stride TILE) = a (16 × D, rows D apart) · bᵀ, b a [TILE][D] tile.
-__device__ void scores(float* out, const bf16* a, const bf16* b) {
-    for (int n = 0; n < TILE / 16; ++n) {
-        Acc acc;
-        wmma::fill_fragment(acc, 0.0f);
-        for (int k = 0; k < D; k += 16) {
-            RowA fa;
-            ColB fb;
-            wmma::load_matrix_sync(fa, a + k, D);
-            wmma::load_matrix_sync(fb, b + n * 16 * D + k, D);
-            wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(out + n * 16, acc, TILE, wmma::mem_row_major);
+// Starts copying `valid` (at most TILE) f32 values into `dst`; the rest become zeros.
+__device__ void load_row_values(float* dst, const float* src, int valid) {
+    if (threadIdx.x < TILE) {
+        const bool live = threadIdx.x < valid;
+        copy_async<4>(dst + threadIdx.x, live ? src + threadIdx.x : src, live);
     }
 }
 
-// A warp's ROWS × D accumulator, times `factor`, as bf16 rows (the first `valid` of them) at
-// `dst`, through the warp's f32 scratch.
-__device__ __forceinline__ void store_rows(bf16* dst, const Acc (&acc)[D / 16], float* scratch,
-                                           int valid, float factor) {
+// acc (16 rows × TILE columns) = a · bᵀ, a 16 rows of a [·][LD] tile, b a [TILE][LD] tile.
+__device__ __forceinline__ void products_t(float (&acc)[TCOLS][4], const bf16* a, const bf16* b) {
     const int lane = threadIdx.x % 32;
-    __syncwarp();
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n)
-        wmma::store_matrix_sync(scratch + n * 16, acc[n], D, wmma::mem_row_major);
-    __syncwarp();
-    for (int i = lane; i < ROWS * D; i += 32)
-        if (i / D < valid) dst[i] = __float2bfloat16(scratch[i] * factor);
+    for (int n = 0; n < TCOLS; ++n)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < DSTEPS; ++s) {
+        unsigned fa[4];
+        ldmatrix(fa, a + (lane % 8 + (lane / 8 % 2) * 8) * LD + s * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int n = 0; n < TCOLS; n += 2) {
+            unsigned fb[4];
+            ldmatrix(fb, b + (n * 8 + lane % 8 + (lane / 16) * 8) * LD + s * 16 + (lane / 8 % 2) * 8);
+            mma(acc[n], fa, fb[0], fb[1]);
+            mma(acc[n + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+
+// acc (16 rows × D) += p · b, p 16 × TILE in registers (an accumulator row), b a [TILE][LD] tile.
+__device__ __forceinline__ void accumulate(float (&acc)[DCOLS][4], const float (&p)[TCOLS][4],
+                                           const bf16* b) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int s = 0; s < TSTEPS; ++s) {
+        unsigned fa[4];
+        left_from(fa, p, s);
+#pragma unroll
+        for (int n = 0; n < DCOLS; n += 2) {
+            unsigned fb[4];
+            ldmatrix_t(fb, b + (s * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD + n * 8 + (lane / 16) * 8);
+            mma(acc[n], fa, fb[0], fb[1]);
+            mma(acc[n + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+
+// Rows `first` and `first + 8` of an accumulator row of tiles (D wide), times `factor[0|1]`, as
+// bf16 at `dst` (rows D apart, starting at row 0 of the tile); rows from `valid` on are skipped.
+__device__ __forceinline__ void store_rows(bf16* dst, const float (&acc)[DCOLS][4],
+                                           const float (&factor)[2], int valid) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row >= valid) continue;
+#pragma unroll
+        for (int n = 0; n < DCOLS; ++n)
+            *reinterpret_cast<unsigned*>(dst + row * D + n * 8 + 2 * t) =
+                pack(acc[n][2 * r] * factor[r], acc[n][2 * r + 1] * factor[r]);
+    }
 }
 
 struct Strides {
@@ -80,92 +176,108 @@ flash_forward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16
               bf16* __restrict__ out, float* __restrict__ lse, int heads, int len_q, int len_k,
               Strides qs, Strides ks, Strides vs, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16* sq = reinterpret_cast<bf16*>(smem);            // [TILE][D]
-    bf16* sk = sq + TILE * D;                             // [TILE][D]
-    bf16* sv = sk + TILE * D;                             // [TILE][D]
-    bf16* sp = sv + TILE * D;                             // [TILE][TILE] probabilities
-    float* ss = reinterpret_cast<float*>(sp + TILE * TILE); // [TILE][TILE] scores
-    float* so = ss + TILE * TILE;                         // [TILE][D] output accumulator
-    float* srescale = so + TILE * D;                      // [TILE]
+    bf16* sk = reinterpret_cast<bf16*>(smem);  // [2][TILE][LD], double buffered
+    bf16* sv = sk + 2 * TILE_ELEMS;            // [2][TILE][LD]
+    bf16* sq = sk + TILE_ELEMS;                // the query tile, in K's second buffer until read
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
     const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const int q0 = blockIdx.x * TILE;
     const bf16* kp = k + b * ks.batch + h * ks.head;
     const bf16* vp = v + b * vs.batch + h * vs.head;
     load_tile(sq, q + b * qs.batch + h * qs.head + q0 * qs.row, qs.row, min(TILE, len_q - q0));
+    load_tile(sk, kp, ks.row, min(TILE, len_k));
+    load_tile(sv, vp, vs.row, min(TILE, len_k));
+    copies_commit();
 
-    const bf16* q_w = sq + warp * ROWS * D;
-    float* s_w = ss + warp * ROWS * TILE;
-    bf16* p_w = sp + warp * ROWS * TILE;
-    float* o_w = so + warp * ROWS * D;
-    float* rescale_w = srescale + warp * ROWS;
-    for (int i = lane; i < ROWS * D; i += 32) o_w[i] = 0.0f;
-    // Two lanes per row, 32 columns each; both keep the row's running maximum and sum.
-    const int row = lane / 2, half = lane % 2;
-    float run_max = NEG_INF, sum = 0.0f;
-
-    for (int k0 = 0; k0 < len_k; k0 += TILE) {
-        __syncthreads();
-        const int valid = min(TILE, len_k - k0);
-        load_tile(sk, kp + k0 * ks.row, ks.row, valid);
-        load_tile(sv, vp + k0 * vs.row, vs.row, valid);
-        __syncthreads();
-        scores(s_w, q_w, sk);
-        __syncwarp();
-
-        float* s_row = s_w + row * TILE + half * 32;
-        float tile_max = NEG_INF;
+    unsigned qf[DSTEPS][4];
+    float o[DCOLS][4], s[TCOLS][4];
 #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-            float s = half * 32 + c < valid ? s_row[c] * scale_log2 : NEG_INF;
-            s_row[c] = s;
-            tile_max = fmaxf(tile_max, s);
-        }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-        const float new_max = fmaxf(run_max, tile_max);
-        float tile_sum = 0.0f;
-        bf16* p_row = p_w + row * TILE + half * 32;
+    for (int n = 0; n < DCOLS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    // Rows g and g + 8 of the warp: running maximum and this lane's share of the running sum.
+    float run_max[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
+
+    const int tiles = (len_k + TILE - 1) / TILE;
+    for (int j = 0; j < tiles; ++j) {
+        copies_wait();
+        __syncthreads();
+        if (j == 0) {
 #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-            float p = exp2f(s_row[c] - new_max);
-            p_row[c] = __float2bfloat16(p);
-            tile_sum += p;
+            for (int s_ = 0; s_ < DSTEPS; ++s_)
+                ldmatrix(qf[s_], sq + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD + s_ * 16 +
+                                     (lane / 16) * 8);
+            __syncthreads();
         }
-        tile_sum += __shfl_xor_sync(0xffffffff, tile_sum, 1);
-        const float factor = exp2f(run_max - new_max);
-        sum = sum * factor + tile_sum;
-        run_max = new_max;
-        if (half == 0) rescale_w[row] = factor;
-        __syncwarp();
-        for (int i = lane; i < ROWS * D; i += 32) o_w[i] *= rescale_w[i / D];
-        __syncwarp();
-        for (int n = 0; n < D / 16; ++n) {
-            Acc acc;
-            wmma::load_matrix_sync(acc, o_w + n * 16, D, wmma::mem_row_major);
-            for (int c = 0; c < TILE; c += 16) {
-                RowA fp;
-                RowB fv;
-                wmma::load_matrix_sync(fp, p_w + c, TILE);
-                wmma::load_matrix_sync(fv, sv + c * D + n * 16, D);
-                wmma::mma_sync(acc, fp, fv, acc);
+        if (j + 1 < tiles) {
+            const int next = (j + 1) * TILE, buffer = (j + 1) % 2;
+            load_tile(sk + buffer * TILE_ELEMS, kp + next * ks.row, ks.row, min(TILE, len_k - next));
+            load_tile(sv + buffer * TILE_ELEMS, vp + next * vs.row, vs.row, min(TILE, len_k - next));
+            copies_commit();
+        }
+        const bf16* kb = sk + (j % 2) * TILE_ELEMS;
+        const bf16* vb = sv + (j % 2) * TILE_ELEMS;
+
+#pragma unroll
+        for (int n = 0; n < TCOLS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int s_ = 0; s_ < DSTEPS; ++s_) {
+#pragma unroll
+            for (int n = 0; n < TCOLS; n += 2) {
+                unsigned fb[4];
+                ldmatrix(fb, kb + (n * 8 + lane % 8 + (lane / 16) * 8) * LD + s_ * 16 +
+                                 (lane / 8 % 2) * 8);
+                mma(s[n], qf[s_], fb[0], fb[1]);
+                mma(s[n + 1], qf[s_], fb[2], fb[3]);
             }
-            wmma::store_matrix_sync(o_w + n * 16, acc, D, wmma::mem_row_major);
         }
-        __syncwarp();
+
+        const int valid = len_k - j * TILE;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float tile_max = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = n * 8 + 2 * t + e < valid ? s[n][2 * r + e] * scale_log2 : NEG_INF;
+                    s[n][2 * r + e] = x;
+                    tile_max = fmaxf(tile_max, x);
+                }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+            const float new_max = fmaxf(run_max[r], tile_max);
+            const float factor = exp2f(run_max[r] - new_max);
+            run_max[r] = new_max;
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[n][2 * r + e] - new_max);
+                    s[n][2 * r + e] = p;
+                    tile_sum += p;
+                }
+            sum[r] = sum[r] * factor + tile_sum;
+#pragma unroll
+            for (int n = 0; n < DCOLS; ++n) {
+                o[n][2 * r] *= factor;
+                o[n][2 * r + 1] *= factor;
+            }
+        }
+        accumulate(o, s, vb);
     }
 
-    const int first = q0 + warp * ROWS;
-    if (half == 0) {
-        rescale_w[row] = 1.0f / sum;
-        if (first + row < len_q) lse[(long long)bh * len_q + first + row] = run_max + log2f(sum);
+    const int g = lane / 4, first = q0 + warp * 16;
+    float inverse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 1);
+        sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 2);
+        inverse[r] = 1.0f / sum[r];
+        const int row = first + g + 8 * r;
+        if (t == 0 && row < len_q) lse[(long long)bh * len_q + row] = run_max[r] + log2f(sum[r]);
     }
-    __syncwarp();
-    bf16* out_w = out + ((long long)bh * len_q + first) * D;
-    for (int i = lane; i < ROWS * D; i += 32) {
-        const int r = i / D;
-        if (first + r < len_q) out_w[i] = __float2bfloat16(o_w[i] * rescale_w[r]);
-    }
+    store_rows(out + ((long long)bh * len_q + first) * D, o, inverse, len_q - first);
 }
 
 // delta[row] = Σ dout[row] ∘ out[row], one warp per row (out contiguous, dout strided).
@@ -192,107 +304,136 @@ flash_backward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf1
                bf16* __restrict__ dv, int heads, int len_q, int len_k, Strides qs, Strides ks,
                Strides vs, Strides ds, float scale_log2, float scale) {
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16* sk = reinterpret_cast<bf16*>(smem);   // [TILE][D]
-    bf16* sv = sk + TILE * D;                    // [TILE][D]
-    bf16* sq = sv + TILE * D;                    // [TILE][D]
-    bf16* sdo = sq + TILE * D;                   // [TILE][D]
-    bf16* sp = sdo + TILE * D;                   // [TILE queries][TILE keys] probabilities
-    bf16* sds = sp + TILE * TILE;                // [TILE queries][TILE keys] score gradients
-    float* scratch = reinterpret_cast<float*>(sds + TILE * TILE); // [WARPS][ROWS][max(TILE, D)]
+    bf16* sk = reinterpret_cast<bf16*>(smem);  // [TILE keys][LD]
+    bf16* sv = sk + TILE_ELEMS;                // [TILE keys][LD]
+    bf16* sq = sv + TILE_ELEMS;                // [2][TILE queries][LD], double buffered
+    bf16* sdo = sq + 2 * TILE_ELEMS;           // [2][TILE queries][LD]
+    bf16* sds = sdo + 2 * TILE_ELEMS;          // [TILE keys][LDS] score gradients, transposed
+    float* slse = reinterpret_cast<float*>(sds + TILE * LDS); // [2][TILE]
+    float* sdelta = slse + 2 * TILE;                           // [2][TILE]
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const int k0 = blockIdx.x * TILE;
     const int valid_k = min(TILE, len_k - k0);
-    load_tile(sk, k + b * ks.batch + h * ks.head + k0 * ks.row, ks.row, valid_k);
-    load_tile(sv, v + b * vs.batch + h * vs.head + k0 * vs.row, vs.row, valid_k);
     const bf16* qp = q + b * qs.batch + h * qs.head;
     const bf16* dp = dout + b * ds.batch + h * ds.head;
+    const float* lse_p = lse + (long long)bh * len_q;
+    const float* delta_p = delta + (long long)bh * len_q;
+    load_tile(sk, k + b * ks.batch + h * ks.head + k0 * ks.row, ks.row, valid_k);
+    load_tile(sv, v + b * vs.batch + h * vs.head + k0 * vs.row, vs.row, valid_k);
+    load_tile(sq, qp, qs.row, min(TILE, len_q));
+    load_tile(sdo, dp, ds.row, min(TILE, len_q));
+    load_row_values(slse, lse_p, min(TILE, len_q));
+    load_row_values(sdelta, delta_p, min(TILE, len_q));
+    copies_commit();
 
-    constexpr int WIDTH = TILE > D ? TILE : D;
-    float* f_w = scratch + warp * ROWS * WIDTH;
-    const int row = lane / 2, half = lane % 2;
-    // This warp's key rows of dK and dV, in registers.
-    Acc dk_acc[D / 16], dv_acc[D / 16];
+    // This warp's 16 keys: rows of dK and dV, in registers.
+    float dk_acc[DCOLS][4], dv_acc[DCOLS][4];
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) {
-        wmma::fill_fragment(dk_acc[n], 0.0f);
-        wmma::fill_fragment(dv_acc[n], 0.0f);
-    }
-    float p[32];
-
-    for (int q0 = 0; q0 < len_q; q0 += TILE) {
-        __syncthreads();
-        const int valid_q = min(TILE, len_q - q0);
-        load_tile(sq, qp + q0 * qs.row, qs.row, valid_q);
-        load_tile(sdo, dp + q0 * ds.row, ds.row, valid_q);
-        __syncthreads();
-
-        // This warp's query rows: probabilities P, then dS = P ∘ (dO vᵀ − delta).
-        const int qrow = q0 + warp * ROWS + row;
-        const bool live = qrow < len_q;
-        const long long at = (long long)bh * len_q + qrow;
-        scores(f_w, sq + warp * ROWS * D, sk);
-        __syncwarp();
-        const float row_lse = live ? lse[at] : 0.0f;
+    for (int n = 0; n < DCOLS; ++n)
 #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-            const int col = half * 32 + c;
-            p[c] = live && col < valid_k ? exp2f(f_w[row * TILE + col] * scale_log2 - row_lse) : 0.0f;
-            sp[(warp * ROWS + row) * TILE + col] = __float2bfloat16(p[c]);
+        for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
+    const bf16* k_w = sk + warp * 16 * LD;
+    const bf16* v_w = sv + warp * 16 * LD;
+    // Whether the warp's key rows g and g + 8 exist.
+    const bool key_live[2] = {warp * 16 + g < valid_k, warp * 16 + g + 8 < valid_k};
+
+    const int tiles = (len_q + TILE - 1) / TILE;
+    for (int j = 0; j < tiles; ++j) {
+        copies_wait();
+        __syncthreads();
+        if (j + 1 < tiles) {
+            const int next = (j + 1) * TILE, buffer = (j + 1) % 2, valid = min(TILE, len_q - next);
+            load_tile(sq + buffer * TILE_ELEMS, qp + next * qs.row, qs.row, valid);
+            load_tile(sdo + buffer * TILE_ELEMS, dp + next * ds.row, ds.row, valid);
+            load_row_values(slse + buffer * TILE, lse_p + next, valid);
+            load_row_values(sdelta + buffer * TILE, delta_p + next, valid);
+            copies_commit();
         }
-        __syncwarp();
-        scores(f_w, sdo + warp * ROWS * D, sv);
-        __syncwarp();
-        const float row_delta = live ? delta[at] : 0.0f;
+        const int q0 = j * TILE, valid_q = min(TILE, len_q - q0);
+        const bf16* qb = sq + (j % 2) * TILE_ELEMS;
+        const bf16* dob = sdo + (j % 2) * TILE_ELEMS;
+        const float* lse_b = slse + (j % 2) * TILE;
+        const float* delta_b = sdelta + (j % 2) * TILE;
+
+        // Pᵀ for the warp's keys against the tile's queries, from the log-sum-exp.
+        float p[TCOLS][4];
+        products_t(p, k_w, qb);
 #pragma unroll
-        for (int c = 0; c < 32; ++c) {
-            const int col = half * 32 + c;
-            sds[(warp * ROWS + row) * TILE + col] =
-                __float2bfloat16(p[c] * (f_w[row * TILE + col] - row_delta));
-        }
+        for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + 2 * t + e % 2;
+                p[n][e] = key_live[e / 2] && col < valid_q
+                              ? exp2f(p[n][e] * scale_log2 - lse_b[col])
+                              : 0.0f;
+            }
+        // dV += Pᵀ dO.
+        accumulate(dv_acc, p, dob);
+        // dSᵀ = Pᵀ ∘ (V dOᵀ − delta), kept for dK and written out for dQ.
+        float dsf[TCOLS][4];
+        products_t(dsf, v_w, dob);
+#pragma unroll
+        for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dsf[n][e] = p[n][e] * (dsf[n][e] - delta_b[n * 8 + 2 * t + e % 2]);
+#pragma unroll
+        for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<unsigned*>(sds + (warp * 16 + g + 8 * r) * LDS + n * 8 + 2 * t) =
+                    pack(dsf[n][2 * r], dsf[n][2 * r + 1]);
+        // dK += dSᵀ q (scaled at the end).
+        accumulate(dk_acc, dsf, qb);
         __syncthreads();
 
-        // This warp's key rows: dV += Pᵀ dO, dK += dSᵀ q (scaled at the end).
+        // The warp's 16 queries of the tile: dQ += scale · dS k, added into the f32 buffer, half
+        // the head dimension at a time.
+        const int first_q = q0 + warp * 16;
 #pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
+        for (int half = 0; half < 2; ++half) {
+            float acc[DCOLS / 2][4];
 #pragma unroll
-            for (int c = 0; c < TILE; c += 16) {
-                ColA fa;
-                RowB fb;
-                wmma::load_matrix_sync(fa, sp + c * TILE + warp * ROWS, TILE);
-                wmma::load_matrix_sync(fb, sdo + c * D + n * 16, D);
-                wmma::mma_sync(dv_acc[n], fa, fb, dv_acc[n]);
-                wmma::load_matrix_sync(fa, sds + c * TILE + warp * ROWS, TILE);
-                wmma::load_matrix_sync(fb, sq + c * D + n * 16, D);
-                wmma::mma_sync(dk_acc[n], fa, fb, dk_acc[n]);
+            for (int n = 0; n < DCOLS / 2; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < TSTEPS; ++s) {
+                unsigned fa[4];
+                ldmatrix_t(fa, sds + (s * 16 + lane % 8 + (lane / 16) * 8) * LDS + warp * 16 +
+                                   (lane / 8 % 2) * 8);
+#pragma unroll
+                for (int n = 0; n < DCOLS / 2; n += 2) {
+                    unsigned fb[4];
+                    ldmatrix_t(fb, sk + (s * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD +
+                                       (half * DCOLS / 2 + n) * 8 + (lane / 16) * 8);
+                    mma(acc[n], fa, fb[0], fb[1]);
+                    mma(acc[n + 1], fa, fb[2], fb[3]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = first_q + g + 8 * r;
+                if (row >= len_q) continue;
+                float* dst = dq + ((long long)bh * len_q + row) * D + half * D / 2 + 2 * t;
+#pragma unroll
+                for (int n = 0; n < DCOLS / 2; ++n) {
+#if __CUDA_ARCH__ >= 900
+                    atomicAdd(reinterpret_cast<float2*>(dst + n * 8),
+                              make_float2(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale));
+#else
+                    atomicAdd(dst + n * 8, acc[n][2 * r] * scale);
+                    atomicAdd(dst + n * 8 + 1, acc[n][2 * r + 1] * scale);
+#endif
+                }
             }
         }
-        // This warp's query rows: dQ += scale · dS k, added into the f32 buffer.
-        for (int n = 0; n < D / 16; ++n) {
-            Acc acc;
-            wmma::fill_fragment(acc, 0.0f);
-            for (int c = 0; c < TILE; c += 16) {
-                RowA fa;
-                RowB fb;
-                wmma::load_matrix_sync(fa, sds + warp * ROWS * TILE + c, TILE);
-                wmma::load_matrix_sync(fb, sk + c * D + n * 16, D);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(f_w + n * 16, acc, D, wmma::mem_row_major);
-        }
-        __syncwarp();
-        const int first_q = q0 + warp * ROWS;
-        for (int i = lane; i < ROWS * D; i += 32) {
-            const int r = i / D;
-            if (first_q + r < len_q)
-                atomicAdd(dq + ((long long)bh * len_q + first_q + r) * D + i % D, f_w[i] * scale);
-        }
     }
 
-    const int first_k = k0 + warp * ROWS;
-    store_rows(dk + ((long long)bh * len_k + first_k) * D, dk_acc, f_w, len_k - first_k, scale);
-    store_rows(dv + ((long long)bh * len_k + first_k) * D, dv_acc, f_w, len_k - first_k, 1.0f);
+    const int first_k = k0 + warp * 16;
+    const float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
+    store_rows(dk + ((long long)bh * len_k + first_k) * D, dk_acc, dk_scale, len_k - first_k);
+    store_rows(dv + ((long long)bh * len_k + first_k) * D, dv_acc, one, len_k - first_k);
 }
 
 // dq (bf16) from its f32 accumulator.

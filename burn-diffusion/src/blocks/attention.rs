@@ -22,7 +22,9 @@ pub enum ScoreBias<B: Backend> {
 /// in the inputs' dtype, the softmax in f32. This is the decomposition Burn 0.21 uses under
 /// `Autodiff` anyway; on the inner CUDA backend Burn's own fused attention op (forward only) is
 /// slower at FLUX sizes (4.5 s against 3.0 s for a whole checkpointed training step) and did
-/// not finish compiling within minutes for the VAE's single 512-wide head.
+/// not finish compiling within minutes for the VAE's single 512-wide head. The scale multiplies
+/// `q` before the first product, a pass over `[.., len_q, head_dim]` instead of one over the f32
+/// score matrix, forward and backward.
 ///
 /// # Shapes
 /// - `q`: `[batch, heads, len_q, head_dim]`
@@ -51,7 +53,8 @@ pub fn attention<B: Backend>(
         return out;
     }
     let dtype = q.dtype();
-    let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32) * scale;
+    let q = if scale == 1.0 { q } else { q.mul_scalar(scale) };
+    let scores = q.matmul(k.swap_dims(2, 3)).cast(DType::F32);
     let scores = match bias {
         ScoreBias::None => scores,
         ScoreBias::Causal => {

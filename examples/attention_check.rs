@@ -1,13 +1,16 @@
 //! burn-offload's fused attention checked on one CUDA GPU: outputs and the gradients of q, k and
-//! v compared with the separate-ops attention on Burn's CUDA backend and with a float64
-//! reference on the CPU, for tile-aligned and ragged lengths, both head sizes, cross attention
-//! and a strided v; attention at FLUX size is timed first on `Autodiff<Offload<Cuda>>`, forward
-//! and forward + backward, with the fused path as the switch sets it.
+//! v compared with the separate-ops attention on the same backend and with a float64 reference
+//! on the CPU, for tile-aligned and ragged lengths, both head sizes, cross attention and a
+//! strided v; attention at FLUX size is timed first on `Autodiff<Offload<Cuda>>`, forward and
+//! forward + backward, with the fused path as the switch sets it.
 //!
 //! ```text
-//! BURN_LORA_FLASH=1 cargo run --release --features cuda --example attention_check
+//! BURN_LORA_FLASH=1 BURN_LORA_BLAS=all cargo run --release --features cuda --example attention_check
 //! cargo run --release --features cuda --example attention_check   # timing of the separate ops
 //! ```
+//!
+//! With `BURN_LORA_BLAS=all` the separate ops' products of the small cases go through cuBLAS
+//! too, so the check does not wait on Burn's autotune.
 //!
 //! The fused kernels compute the probabilities in f32 and round them to bf16 for the second
 //! product, as the separate-ops path rounds the softmax's output: a case passes when the fused
@@ -19,7 +22,7 @@ mod checks;
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_diffusion::blocks::sdpa;
+use burn_diffusion::blocks::{ScoreBias, attention, sdpa};
 use burn_offload::{Offload, fused_attention_calls};
 use checks::{Precision, clock, input, relative_error, time};
 
@@ -55,9 +58,19 @@ const CASES: [Case; 4] = [
     },
 ];
 
-/// Output, then the gradients of q, k and v, of `sdpa` on `B` for `case`.
+/// Which attention [`run`] computes.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    /// `sdpa`: the fused kernels where they apply.
+    Sdpa,
+    /// The separate ops, forced by a zero score bias, which only they take.
+    Separate,
+}
+
+/// Output, then the gradients of q, k and v, of the attention `path` names on `B` for `case`.
 fn run<B: AutodiffBackend>(
     case: &Case,
+    path: Path,
     precision: Precision,
     device: &B::Device,
 ) -> [TensorData; 4] {
@@ -72,7 +85,14 @@ fn run<B: AutodiffBackend>(
     } else {
         input::<B, 4>([b, h, lk, d], 3, precision, device).require_grad()
     };
-    let out = sdpa(q.clone(), k.clone(), v.clone());
+    let out = match path {
+        Path::Sdpa => sdpa(q.clone(), k.clone(), v.clone()),
+        Path::Separate => {
+            let zero = Tensor::<B, 4>::zeros([1, 1, 1, 1], device).cast(precision.compute);
+            let scale = (d as f64).sqrt().recip();
+            attention(q.clone(), k.clone(), v.clone(), scale, ScoreBias::Add(zero))
+        }
+    };
     let r = input::<B, 4>([b, h, lq, d], 4, precision, device);
     let wide = if precision.compute == DType::F64 {
         DType::F64
@@ -128,14 +148,15 @@ fn main() {
         for case in &CASES {
             eprintln!("[{:7.1} s] {}", clock(), case.name);
             let before = fused_attention_calls();
-            let fused = run::<Fused>(case, bf16, &device);
+            let fused = run::<Fused>(case, Path::Sdpa, bf16, &device);
             if fused_attention_calls() != before + 1 {
                 eprintln!("{}: the fused path did not run", case.name);
                 failed = true;
             }
-            let plain = run::<Autodiff<Cuda>>(case, bf16, &device);
+            let plain = run::<Fused>(case, Path::Separate, bf16, &device);
             let reference = run::<Autodiff<Flex>>(
                 case,
+                Path::Sdpa,
                 Precision {
                     input: DType::BF16,
                     compute: DType::F64,

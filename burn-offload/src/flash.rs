@@ -17,29 +17,10 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::cuda::{address, host_ordered};
+use crate::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
 
-/// Query rows per forward block and key rows per backward block (`TILE` in the source).
-const TILE: usize = 64;
 /// Threads per block of the two main kernels.
 const THREADS: u32 = 128;
-
-/// Bytes of one bf16 `[TILE][d + 8]` tile in shared memory (rows padded by 16 bytes).
-fn tile_bytes(d: usize) -> usize {
-    TILE * (d + 8) * 2
-}
-
-/// Bytes of dynamic shared memory the forward kernel uses for head size `d`: K and V, double
-/// buffered.
-fn forward_shared(d: usize) -> usize {
-    4 * tile_bytes(d)
-}
-
-/// Bytes of dynamic shared memory the backward kernel uses for head size `d`: K, V, double
-/// buffered q and dO tiles, the transposed score gradients and two double-buffered rows of f32
-/// statistics.
-fn backward_shared(d: usize) -> usize {
-    6 * tile_bytes(d) + tile_bytes(TILE) + 4 * TILE * 4
-}
 
 /// Element strides of one `[batch, heads, rows, head_dim]` operand (the last is 1).
 #[repr(C)]
@@ -61,6 +42,8 @@ struct Kernels {
     delta: CudaFunction,
     backward: CudaFunction,
     dq: CudaFunction,
+    /// Dynamic shared memory of `backward`, as compiled for this device.
+    backward_shared: usize,
 }
 
 impl Kernels {
@@ -75,6 +58,12 @@ impl Kernels {
                 "compute capability {major}.{minor} has no bf16 tensor cores"
             ));
         }
+        let shared =
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+                as usize;
+        let stages = backward_stages(head_dim, shared)
+            .filter(|_| forward_shared(head_dim) <= shared)
+            .ok_or_else(|| format!("{shared} bytes of shared memory per block are too few"))?;
         let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
         let ptx = std::panic::catch_unwind(|| {
             compile_ptx_with_opts(
@@ -84,6 +73,7 @@ impl Kernels {
                     options: vec![
                         format!("--gpu-architecture=sm_{major}{minor}"),
                         format!("-DHEAD_DIM={head_dim}"),
+                        format!("-DSTAGES={stages}"),
                         "--std=c++17".into(),
                     ],
                     name: Some("flash_attention.cu".into()),
@@ -106,8 +96,9 @@ impl Kernels {
         Ok(Self {
             forward: function("flash_forward", forward_shared(head_dim))?,
             delta: function("flash_backward_delta", 0)?,
-            backward: function("flash_backward", backward_shared(head_dim))?,
+            backward: function("flash_backward", backward_shared(head_dim, stages))?,
             dq: function("flash_backward_dq", 0)?,
+            backward_shared: backward_shared(head_dim, stages),
             ctx,
             stream,
         })
@@ -395,7 +386,7 @@ pub(crate) fn backward(
             launch.launch(LaunchConfig {
                 grid_dim: (blocks(len_k), (batch * heads) as u32, 1),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: backward_shared(head_dim) as u32,
+                shared_mem_bytes: k.backward_shared as u32,
             })
         }
         .map_err(|e| e.to_string())?;

@@ -3,7 +3,8 @@
 // of 64 keys (the score matrix is never stored); products on tensor cores with mma.sync
 // m16n8k16 (bf16 in, f32 accumulate), operands read from shared memory by ldmatrix, tiles
 // brought in by cp.async one step ahead of their use. Compiled at run time by NVRTC with
-// -DHEAD_DIM=64 or 128, for compute capability 8.0 or later.
+// -DHEAD_DIM=64 or 128 and -DSTAGES=1 or 2 (the backward's query tiles single or double
+// buffered, as the device's shared memory allows), for compute capability 8.0 or later.
 //
 // Forward: one block of 4 warps per 64 query rows; each warp owns 16 rows and keeps its scores,
 // probabilities and output accumulator in registers (an accumulator tile of one product has the
@@ -24,6 +25,7 @@ typedef __nv_bfloat16 bf16;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 constexpr int D = HEAD_DIM;
+constexpr int STAGES_ = STAGES;    // query-tile buffers of the backward
 constexpr int TILE = 64;           // query rows per forward block, key rows per backward block
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
@@ -306,11 +308,11 @@ flash_backward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf1
     extern __shared__ __align__(128) unsigned char smem[];
     bf16* sk = reinterpret_cast<bf16*>(smem);  // [TILE keys][LD]
     bf16* sv = sk + TILE_ELEMS;                // [TILE keys][LD]
-    bf16* sq = sv + TILE_ELEMS;                // [2][TILE queries][LD], double buffered
-    bf16* sdo = sq + 2 * TILE_ELEMS;           // [2][TILE queries][LD]
-    bf16* sds = sdo + 2 * TILE_ELEMS;          // [TILE keys][LDS] score gradients, transposed
-    float* slse = reinterpret_cast<float*>(sds + TILE * LDS); // [2][TILE]
-    float* sdelta = slse + 2 * TILE;                           // [2][TILE]
+    bf16* sq = sv + TILE_ELEMS;                // [STAGES][TILE queries][LD]
+    bf16* sdo = sq + STAGES_ * TILE_ELEMS;     // [STAGES][TILE queries][LD]
+    bf16* sds = sdo + STAGES_ * TILE_ELEMS;    // [TILE keys][LDS] score gradients, transposed
+    float* slse = reinterpret_cast<float*>(sds + TILE * LDS); // [STAGES][TILE]
+    float* sdelta = slse + STAGES_ * TILE;                     // [STAGES][TILE]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
@@ -322,11 +324,16 @@ flash_backward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf1
     const float* delta_p = delta + (long long)bh * len_q;
     load_tile(sk, k + b * ks.batch + h * ks.head + k0 * ks.row, ks.row, valid_k);
     load_tile(sv, v + b * vs.batch + h * vs.head + k0 * vs.row, vs.row, valid_k);
-    load_tile(sq, qp, qs.row, min(TILE, len_q));
-    load_tile(sdo, dp, ds.row, min(TILE, len_q));
-    load_row_values(slse, lse_p, min(TILE, len_q));
-    load_row_values(sdelta, delta_p, min(TILE, len_q));
-    copies_commit();
+    // Starts loading query tile `j` into its buffer.
+    auto load_queries = [&](int j) {
+        const int first = j * TILE, buffer = j % STAGES_, valid = min(TILE, len_q - first);
+        load_tile(sq + buffer * TILE_ELEMS, qp + first * qs.row, qs.row, valid);
+        load_tile(sdo + buffer * TILE_ELEMS, dp + first * ds.row, ds.row, valid);
+        load_row_values(slse + buffer * TILE, lse_p + first, valid);
+        load_row_values(sdelta + buffer * TILE, delta_p + first, valid);
+        copies_commit();
+    };
+    load_queries(0);
 
     // This warp's 16 keys: rows of dK and dV, in registers.
     float dk_acc[DCOLS][4], dv_acc[DCOLS][4];
@@ -343,19 +350,13 @@ flash_backward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf1
     for (int j = 0; j < tiles; ++j) {
         copies_wait();
         __syncthreads();
-        if (j + 1 < tiles) {
-            const int next = (j + 1) * TILE, buffer = (j + 1) % 2, valid = min(TILE, len_q - next);
-            load_tile(sq + buffer * TILE_ELEMS, qp + next * qs.row, qs.row, valid);
-            load_tile(sdo + buffer * TILE_ELEMS, dp + next * ds.row, ds.row, valid);
-            load_row_values(slse + buffer * TILE, lse_p + next, valid);
-            load_row_values(sdelta + buffer * TILE, delta_p + next, valid);
-            copies_commit();
-        }
+        // Two buffers: the next tile loads during all of this one's work.
+        if (STAGES_ == 2 && j + 1 < tiles) load_queries(j + 1);
         const int q0 = j * TILE, valid_q = min(TILE, len_q - q0);
-        const bf16* qb = sq + (j % 2) * TILE_ELEMS;
-        const bf16* dob = sdo + (j % 2) * TILE_ELEMS;
-        const float* lse_b = slse + (j % 2) * TILE;
-        const float* delta_b = sdelta + (j % 2) * TILE;
+        const bf16* qb = sq + (j % STAGES_) * TILE_ELEMS;
+        const bf16* dob = sdo + (j % STAGES_) * TILE_ELEMS;
+        const float* lse_b = slse + (j % STAGES_) * TILE;
+        const float* delta_b = sdelta + (j % STAGES_) * TILE;
 
         // Pᵀ for the warp's keys against the tile's queries, from the log-sum-exp.
         float p[TCOLS][4];
@@ -388,6 +389,8 @@ flash_backward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf1
         // dK += dSᵀ q (scaled at the end).
         accumulate(dk_acc, dsf, qb);
         __syncthreads();
+        // One buffer: the next tile loads during dQ, which reads only k and dS.
+        if (STAGES_ == 1 && j + 1 < tiles) load_queries(j + 1);
 
         // The warp's 16 queries of the tile: dQ += scale · dS k, added into the f32 buffer, half
         // the head dimension at a time.

@@ -73,6 +73,8 @@ mod error;
 #[cfg(feature = "cuda")]
 mod flash;
 #[cfg(any(feature = "cuda", test))]
+mod flash_plan;
+#[cfg(any(feature = "cuda", test))]
 mod gemm;
 mod ops;
 mod policy;

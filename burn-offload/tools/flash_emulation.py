@@ -7,14 +7,14 @@ compared with a float64 attention and its gradients. An error in a fragment inde
 near 1; a correct one gives bf16 rounding (about 2e-3). The GPU check is
 examples/attention_check.rs; this one needs no GPU:
 
-    python3 flash_emulation.py HEAD_DIM batch,heads,len_q,len_k,strided_v ...
+    python3 flash_emulation.py HEAD_DIM[:STAGES] batch,heads,len_q,len_k,strided_v ...
     python3 flash_emulation.py 128 1,2,128,128,0 2,1,200,200,1 1,1,1,70,0
-    python3 flash_emulation.py 64 1,2,100,300,0 1,1,130,65,1
+    python3 flash_emulation.py 64:1 1,2,100,300,0 1,1,130,65,1
 
 Needs numpy.
 """
 import numpy as np, sys
-D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+D, STAGES = (int(x) for x in (sys.argv[1] + ":2").split(":")[:2])
 TILE, WARPS = 64, 4; THREADS = 128
 LD = D + 8; TILE_ELEMS = TILE * LD; LDS = TILE + 8
 DSTEPS, DCOLS, TSTEPS, TCOLS = D // 16, D // 8, TILE // 16, TILE // 8
@@ -153,27 +153,28 @@ def forward(q, k, v, heads, len_q, len_k, qs, ks, vs, scale_log2, out, lse, bh, 
                     out[base + row*D + n*8 + 2*(L%4): base + row*D + n*8 + 2*(L%4) + 2] = pack(Wd['o'][n][L, 2*r] * inv[r][L], Wd['o'][n][L, 2*r+1] * inv[r][L])
 
 def backward(q, k, v, dout, lse, delta, dq, dk, dv, heads, len_q, len_k, qs, ks, vs, ds, scale_log2, scale, bh, bx):
-    sm = np.zeros(6 * TILE_ELEMS + TILE * LDS, np.float32); fm = np.zeros(4 * TILE, np.float32)
-    sk, sv, sq, sdo, sds = 0, TILE_ELEMS, 2 * TILE_ELEMS, 4 * TILE_ELEMS, 6 * TILE_ELEMS
-    slse, sdelta = 0, 2 * TILE
+    sm = np.zeros((2 + 2 * STAGES) * TILE_ELEMS + TILE * LDS, np.float32); fm = np.zeros(2 * STAGES * TILE, np.float32)
+    sk, sv, sq = 0, TILE_ELEMS, 2 * TILE_ELEMS
+    sdo = sq + STAGES * TILE_ELEMS; sds = sdo + STAGES * TILE_ELEMS
+    slse, sdelta = 0, STAGES * TILE
     b, h = bh // heads, bh % heads; k0 = bx * TILE; valid_k = min(TILE, len_k - k0)
     qp = b * qs[0] + h * qs[1]; dp = b * ds[0] + h * ds[1]; lse_p = bh * len_q
     load_tile(sm, sk, (k, b*ks[0] + h*ks[1] + k0*ks[2]), ks[2], valid_k)
     load_tile(sm, sv, (v, b*vs[0] + h*vs[1] + k0*vs[2]), vs[2], valid_k)
-    load_tile(sm, sq, (q, qp), qs[2], min(TILE, len_q)); load_tile(sm, sdo, (dout, dp), ds[2], min(TILE, len_q))
-    load_row_values(fm, slse, (lse, lse_p), min(TILE, len_q)); load_row_values(fm, sdelta, (delta, lse_p), min(TILE, len_q))
+    def load_queries(j):
+        first, buf = j * TILE, j % STAGES; valid = min(TILE, len_q - first)
+        load_tile(sm, sq + buf * TILE_ELEMS, (q, qp + first * qs[2]), qs[2], valid)
+        load_tile(sm, sdo + buf * TILE_ELEMS, (dout, dp + first * ds[2]), ds[2], valid)
+        load_row_values(fm, slse + buf * TILE, (lse, lse_p + first), valid)
+        load_row_values(fm, sdelta + buf * TILE, (delta, lse_p + first), valid)
+    load_queries(0)
     W = [dict(dk=np.zeros((DCOLS, 32, 4), np.float32), dv=np.zeros((DCOLS, 32, 4), np.float32)) for _ in range(WARPS)]
     tiles = (len_q + TILE - 1) // TILE
     for j in range(tiles):
-        if j + 1 < tiles:
-            nxt, buf = (j + 1) * TILE, (j + 1) % 2; valid = min(TILE, len_q - nxt)
-            load_tile(sm, sq + buf * TILE_ELEMS, (q, qp + nxt * qs[2]), qs[2], valid)
-            load_tile(sm, sdo + buf * TILE_ELEMS, (dout, dp + nxt * ds[2]), ds[2], valid)
-            load_row_values(fm, slse + buf * TILE, (lse, lse_p + nxt), valid)
-            load_row_values(fm, sdelta + buf * TILE, (delta, lse_p + nxt), valid)
+        if STAGES == 2 and j + 1 < tiles: load_queries(j + 1)
         q0 = j * TILE; valid_q = min(TILE, len_q - q0)
-        qb = sq + (j % 2) * TILE_ELEMS; dob = sdo + (j % 2) * TILE_ELEMS
-        lse_b = slse + (j % 2) * TILE; delta_b = sdelta + (j % 2) * TILE
+        qb = sq + (j % STAGES) * TILE_ELEMS; dob = sdo + (j % STAGES) * TILE_ELEMS
+        lse_b = slse + (j % STAGES) * TILE; delta_b = sdelta + (j % STAGES) * TILE
         for w in range(WARPS):
             k_w = sk + w * 16 * LD; v_w = sv + w * 16 * LD
             key_live = [w * 16 + g < valid_k, w * 16 + g + 8 < valid_k]
@@ -193,6 +194,7 @@ def backward(q, k, v, dout, lse, delta, dq, dk, dv, heads, len_q, len_k, qs, ks,
                     pk = pack(dsf[n][:, 2*r], dsf[n][:, 2*r+1])
                     sm[a] = pk[:, 0]; sm[a + 1] = pk[:, 1]
             accumulate(sm, W[w]['dk'], dsf, qb)
+        if STAGES == 1 and j + 1 < tiles: load_queries(j + 1)
         for w in range(WARPS):
             first_q = q0 + w * 16
             for half in range(2):

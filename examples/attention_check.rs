@@ -18,13 +18,15 @@
 //! 2e-3). The program exits with an error when a case fails or the fused path did not run.
 
 mod checks;
+mod timing;
 
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::blocks::{ScoreBias, attention, sdpa};
 use burn_offload::{Offload, fused_attention_calls};
-use checks::{Precision, clock, input, relative_error, time};
+use checks::{Precision, input, relative_error};
+use timing::{clock, time};
 
 type Fused = Autodiff<Offload<Cuda>>;
 

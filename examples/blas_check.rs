@@ -19,13 +19,15 @@
 //! case fails or when the products did not go through cuBLAS.
 
 mod checks;
+mod timing;
 
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData, module::linear};
 use burn_offload::{Offload, cublas_products};
-use checks::{Precision, clock, input, relative_error, time};
+use checks::{Precision, input, relative_error};
+use timing::{clock, time};
 
 type Routed = Offload<Cuda>;
 

@@ -1,8 +1,5 @@
 //! What the GPU check programs (`blas_check`, `attention_check`) share: deterministic inputs in
-//! a chosen precision, relative errors, a clock and a timer.
-
-use std::sync::OnceLock;
-use std::time::Instant;
+//! a chosen precision and relative errors.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
@@ -41,12 +38,6 @@ pub fn input<B: Backend, const D: usize>(
         .cast(precision.compute)
 }
 
-/// Seconds since the program started.
-pub fn clock() -> f64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_secs_f64()
-}
-
 /// `‖got − want‖ / ‖want‖`, in f64.
 pub fn relative_error(got: &TensorData, want: &TensorData) -> f64 {
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
@@ -55,18 +46,4 @@ pub fn relative_error(got: &TensorData, want: &TensorData) -> f64 {
         norm += w.powi(2);
     }
     (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
-}
-
-/// Seconds per call of `f`, after `warm` untimed calls.
-pub fn time<B: Backend>(device: &B::Device, warm: usize, runs: usize, f: impl Fn()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    B::sync(device).unwrap();
-    let start = Instant::now();
-    for _ in 0..runs {
-        f();
-    }
-    B::sync(device).unwrap();
-    start.elapsed().as_secs_f64() / runs as f64
 }

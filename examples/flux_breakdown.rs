@@ -29,6 +29,8 @@ type Device = CudaDevice;
 
 /// The model's layer-norm and RMS-norm epsilon.
 const EPS: f64 = 1e-6;
+/// The row of the linear1 without its adapter, which only shows what the adapter adds.
+const BASE_ONLY_ROW: usize = 2;
 /// Single-stream blocks in FLUX.1-dev.
 const SINGLE_BLOCKS: f64 = 38.0;
 
@@ -119,6 +121,9 @@ fn main() {
         measure("linear1 (LoRA r32)", &device, || {
             block.linear1.forward(x.clone()).sum()
         }),
+        measure("linear1 base only (its LoRA off)", &device, || {
+            block.linear1.base().forward(x.clone()).sum()
+        }),
         measure("RMS norm of q and k", &device, || {
             rms_norm(q.clone(), norm_scale.clone(), EPS).sum()
                 + rms_norm(k.clone(), norm_scale.clone(), EPS).sum()
@@ -144,7 +149,15 @@ fn main() {
         let (img, txt) = block.forward(img.clone(), txt.clone(), vec.clone(), &pe);
         img.sum() + txt.sum()
     });
-    let [forward, both] = [0, 1].map(|i| parts.iter().map(|p| p[i]).sum::<f64>());
+    // Every row but the base-only one is a part of the block.
+    let [forward, both] = [0, 1].map(|i| {
+        parts
+            .iter()
+            .enumerate()
+            .filter(|&(row, _)| row != BASE_ONLY_ROW)
+            .map(|(_, p)| p[i])
+            .sum::<f64>()
+    });
     println!(
         "  {:34} {:9.2} {:9.2} {:9.2} {:9.3}",
         "sum of the parts",

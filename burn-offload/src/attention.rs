@@ -3,17 +3,12 @@
 //! runs on `Autodiff<Offload<B>>` or `Offload<B>` with such a kernel, and returns `None`
 //! otherwise, so the caller computes attention from separate ops.
 //!
-//! The model code is generic over `Backend`, which has no attention op that autodiff forwards
-//! to the inner backend (Burn 0.21 decomposes attention under `Autodiff`); the dispatch
-//! recognizes the decorator's backend types by `TypeId` instead.
-//!
 //! The fused path is opt-in: `BURN_LORA_FLASH=1` (or `on`, `true`). Its kernels never hold the
 //! score matrix (a checkpointed FLUX.1 step's peak fell from 48.5 to 32.1 GB on the H200;
 //! benches/RESULTS.md); whether they are also faster than the separate products (cuBLAS) and
 //! softmax is measured by `examples/attention_check.rs` (burn-offload/DESIGN.md, "Fused
 //! attention").
 
-use std::any::{Any, TypeId};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,22 +22,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
+use crate::dispatch::{dispatch_offload, switched_on};
 use crate::target::{FusedAttention, StreamTarget};
-
-/// Whether the fused path may run: when `BURN_LORA_FLASH` is `1`, `on` or `true`.
-fn switched_on() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let on = matches!(
-            std::env::var("BURN_LORA_FLASH").as_deref(),
-            Ok("1" | "on" | "true")
-        );
-        if on {
-            tracing::info!("attention: fused kernels where they apply (BURN_LORA_FLASH=1)");
-        }
-        on
-    })
-}
 
 /// Attention calls the fused kernels computed so far, in this process.
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -53,15 +34,9 @@ pub fn fused_attention_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-/// `value` as a `T` when it is one.
-fn exactly<A: 'static, T: 'static>(value: A) -> Option<T> {
-    let boxed: Box<dyn Any> = Box::new(value);
-    boxed.downcast::<T>().ok().map(|t| *t)
-}
-
 /// `softmax(scale · q kᵀ) v` over `[batch, heads, rows, head_dim]` tensors through the fused
 /// kernel of the backend under [`Offload`], or `None` when `B` is not `Autodiff<Offload<T>>` or
-/// `Offload<T>` (default policy and checkpointing) for a `T` listed in `dispatch!` below, the
+/// `Offload<T>` (default policy and checkpointing) for a `T` listed in `dispatch_offload!`, the
 /// kernel does not take these tensors, or the path is not switched on; the caller then computes
 /// attention from separate ops.
 pub fn attention<B: Backend>(
@@ -70,48 +45,39 @@ pub fn attention<B: Backend>(
     v: &Tensor<B, 4>,
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    if switched_on() {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if switched_on("BURN_LORA_FLASH", &ON, "attention") {
         fused(q, k, v, scale)
     } else {
         None
     }
 }
 
-/// [`attention`] whatever the switch says.
+/// [`attention`] whatever the switch says, counted in [`fused_attention_calls`].
 fn fused<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    /// Tries each listed inner backend's decorated types in turn.
-    macro_rules! dispatch {
-        ($($inner:ty),*) => {$(
-            if TypeId::of::<B>() == TypeId::of::<Autodiff<Offload<$inner>>>() {
-                return on::<B, Autodiff<Offload<$inner>>>([q, k, v], |qkv| tracked(qkv, scale));
-            }
-            if TypeId::of::<B>() == TypeId::of::<Offload<$inner>>() {
-                return on::<B, Offload<$inner>>([q, k, v], |qkv| untracked(qkv, scale));
-            }
-        )*};
+    let out = dispatched(q, k, v, scale);
+    if out.is_some() {
+        CALLS.fetch_add(1, Ordering::Relaxed);
     }
-    // `Flex` has no fused kernel and declines; it is listed so that the CPU tests run the
-    // dispatch itself.
-    dispatch!(burn::backend::Flex);
-    #[cfg(feature = "cuda")]
-    dispatch!(burn::backend::Cuda);
-    None
+    out
 }
 
-/// Runs `f` on `qkv` seen as tensors of `T`, which is `B`.
-fn on<B: Backend, T: Backend>(
-    qkv: [&Tensor<B, 4>; 3],
-    f: impl FnOnce([Tensor<T, 4>; 3]) -> Option<Tensor<T, 4>>,
+/// The fused forward on the decorated backend `B` is, `None` on any other.
+fn dispatched<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    let same = "the caller compared the TypeIds";
-    let out = f(qkv.map(|t| exactly::<_, Tensor<T, 4>>(t.clone()).expect(same)))?;
-    CALLS.fetch_add(1, Ordering::Relaxed);
-    Some(exactly(out).expect(same))
+    dispatch_offload!(B, [q, k, v], |qkv| tracked(qkv, scale), |qkv| untracked(
+        qkv, scale
+    ));
+    None
 }
 
 /// The fused forward on `Offload<T>`, without gradients.

@@ -385,4 +385,21 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             scale,
         )
     }
+
+    fn fused_gelu_tanh(x: &CubeTensor<CudaRuntime>) -> Option<CubeTensor<CudaRuntime>> {
+        let float = matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16);
+        (float && x.qparams.is_none()).then(|| crate::gelu_kernel::gelu_tanh(x.clone()))
+    }
+
+    fn fused_gelu_tanh_backward(
+        x: &CubeTensor<CudaRuntime>,
+        grad: CubeTensor<CudaRuntime>,
+    ) -> CubeTensor<CudaRuntime> {
+        let grad = if grad.dtype == x.dtype {
+            grad
+        } else {
+            Self::float_cast(grad, x.dtype.into())
+        };
+        crate::gelu_kernel::gelu_tanh_backward(x.clone(), grad)
+    }
 }

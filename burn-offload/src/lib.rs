@@ -61,6 +61,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod activation;
 mod attention;
 mod backend;
 #[cfg(feature = "cuda")]
@@ -68,12 +69,15 @@ mod blas;
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dispatch;
 mod engine;
 mod error;
 #[cfg(feature = "cuda")]
 mod flash;
 #[cfg(any(feature = "cuda", test))]
 mod flash_plan;
+#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
+mod gelu_kernel;
 #[cfg(any(feature = "cuda", test))]
 mod gemm;
 mod ops;
@@ -83,6 +87,7 @@ mod stream;
 mod target;
 mod weight;
 
+pub use activation::gelu_tanh;
 pub use attention::{attention, fused_attention_calls};
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 #[cfg(feature = "cuda")]

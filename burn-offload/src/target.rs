@@ -114,6 +114,24 @@ pub trait StreamTarget: Backend {
         let _ = (qkv, forward, grad, scale);
         unreachable!("a backend without fused attention never returns a fused forward")
     }
+
+    /// GELU with the tanh approximation of `x` in one kernel (computed in f32, stored in `x`'s
+    /// dtype); `None` where the backend has no such kernel, and the caller computes it from
+    /// separate ops.
+    fn fused_gelu_tanh(x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let _ = x;
+        None
+    }
+
+    /// The gradient of `x` given `grad`, the gradient of an output that
+    /// [`fused_gelu_tanh`](Self::fused_gelu_tanh) computed from `x`.
+    fn fused_gelu_tanh_backward(
+        x: &FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = (x, grad);
+        unreachable!("a backend without a fused GELU never returns a fused forward")
+    }
 }
 
 /// What a fused attention forward pass returns: the output and what its backward pass needs.

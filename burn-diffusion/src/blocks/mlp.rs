@@ -3,9 +3,13 @@
 use burn::tensor::{Tensor, backend::Backend};
 
 /// GELU with the tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`
-/// (PyTorch's `gelu(approximate="tanh")`), with `x³` as two products so that it is exact for
-/// negative inputs on every backend.
+/// (PyTorch's `gelu(approximate="tanh")`): one fused kernel each way where
+/// [`burn_offload::gelu_tanh`] has one (switched on by `BURN_LORA_FUSED=1`), elsewhere separate
+/// ops, with `x³` as two products so that it is exact for negative inputs on every backend.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    if let Some(y) = burn_offload::gelu_tanh(&x) {
+        return y;
+    }
     const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
     let cube = x.clone() * x.clone() * x.clone();
     let inner = (x.clone() + cube * 0.044715) * SQRT_2_OVER_PI;

@@ -10,7 +10,8 @@
 //! cargo run --release --features cuda --example flux_breakdown [-- --tokens 4608]
 //! ```
 //!
-//! The matrix products and attention take the paths `BURN_LORA_BLAS` and `BURN_LORA_FLASH` set.
+//! The matrix products, attention and the fused elementwise kernels take the paths
+//! `BURN_LORA_BLAS`, `BURN_LORA_FLASH` and `BURN_LORA_FUSED` set.
 
 mod timing;
 
@@ -18,7 +19,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::module::Module;
 use burn::tensor::{Distribution, FloatDType, IntDType, Tensor};
-use burn_diffusion::blocks::{Modulation, Rope, gelu_tanh, layer_norm, rms_norm, sdpa};
+use burn_diffusion::blocks::{Modulation, Rope, gelu_tanh, layer_norm, sdpa};
 use burn_diffusion::flux::FluxConfig;
 use burn_lora::{LoraConfig, LoraPlan};
 use burn_offload::{Offload, cublas_products, fused_attention_calls};
@@ -124,12 +125,11 @@ fn main() {
         measure("linear1 base only (its LoRA off)", &device, || {
             block.linear1.base().forward(x.clone()).sum()
         }),
-        measure("RMS norm of q and k", &device, || {
-            rms_norm(q.clone(), norm_scale.clone(), EPS).sum()
-                + rms_norm(k.clone(), norm_scale.clone(), EPS).sum()
-        }),
-        measure("RoPE of q and k", &device, || {
-            pe.apply(q.clone()).sum() + pe.apply(k.clone()).sum()
+        measure("RMS norm + RoPE of q and k", &device, || {
+            pe.apply_normalized(q.clone(), norm_scale.clone(), EPS)
+                .sum()
+                + pe.apply_normalized(k.clone(), norm_scale.clone(), EPS)
+                    .sum()
         }),
         measure("attention", &device, || {
             sdpa(q.clone(), k.clone(), v.clone()).sum()

@@ -24,6 +24,7 @@ use cubecl_common::future::{DynFut, block_on};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
 
 use crate::error::OffloadError;
+use crate::norm_rope::NormRope;
 use crate::target::{FusedAttention, StreamTarget};
 use crate::weight::{Encoding, HostMemory, HostWeight};
 
@@ -401,5 +402,32 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             Self::float_cast(grad, x.dtype.into())
         };
         crate::gelu_kernel::gelu_tanh_backward(x.clone(), grad)
+    }
+
+    fn fused_norm_rope(o: &NormRope<Self>) -> Option<CubeTensor<CudaRuntime>> {
+        let float = matches!(o.x.dtype, DType::F32 | DType::BF16 | DType::F16);
+        (float && o.x.qparams.is_none()).then(|| {
+            crate::norm_rope_kernel::norm_rope(
+                o.x.clone(),
+                o.scale.clone(),
+                o.cos.clone(),
+                o.sin.clone(),
+                o.eps,
+            )
+        })
+    }
+
+    fn fused_norm_rope_backward(
+        o: &NormRope<Self>,
+        grad: CubeTensor<CudaRuntime>,
+    ) -> CubeTensor<CudaRuntime> {
+        crate::norm_rope_kernel::norm_rope_backward(
+            o.x.clone(),
+            o.scale.clone(),
+            o.cos.clone(),
+            o.sin.clone(),
+            grad,
+            o.eps,
+        )
     }
 }

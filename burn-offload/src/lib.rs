@@ -80,6 +80,9 @@ mod flash_plan;
 mod gelu_kernel;
 #[cfg(any(feature = "cuda", test))]
 mod gemm;
+mod norm_rope;
+#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
+mod norm_rope_kernel;
 mod ops;
 mod policy;
 mod stats;
@@ -94,6 +97,7 @@ pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, P
 pub use blas::cublas_products;
 pub use config::{OffloadConfig, WireFormat};
 pub use error::OffloadError;
+pub use norm_rope::{NormRope, rms_norm_rope};
 pub use policy::{Route, ScheduleOutcome};
 pub use stats::StepStats;
 pub use stream::WeightStream;

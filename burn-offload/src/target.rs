@@ -14,6 +14,7 @@ use burn::tensor::{Bytes, TensorData};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
 
 use crate::error::OffloadError;
+use crate::norm_rope::NormRope;
 use crate::weight::{HostMemory, HostWeight};
 
 /// A backend whose device can host the offload ring: [`Flex`] (on the CPU, for tests) and, with
@@ -131,6 +132,23 @@ pub trait StreamTarget: Backend {
     ) -> FloatTensor<Self> {
         let _ = (x, grad);
         unreachable!("a backend without a fused GELU never returns a fused forward")
+    }
+
+    /// The RMS norm and rotary embedding of `operands.x` in one kernel (see
+    /// [`rms_norm_rope`](crate::rms_norm_rope)); `None` where the backend has no such kernel.
+    fn fused_norm_rope(operands: &NormRope<Self>) -> Option<FloatTensor<Self>> {
+        let _ = operands;
+        None
+    }
+
+    /// The gradient of `operands.x` given `grad`, the gradient of an output that
+    /// [`fused_norm_rope`](Self::fused_norm_rope) computed.
+    fn fused_norm_rope_backward(
+        operands: &NormRope<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = (operands, grad);
+        unreachable!("a backend without a fused norm and rotation never returns a fused forward")
     }
 }
 

@@ -2,6 +2,8 @@
 
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 
+use super::rms_norm;
+
 /// Cosine and sine tables for every token, `[tokens, head_dim]`, in f32.
 ///
 /// Head dimension `d` is split into one band per axis (`axes_dim`, summing to `d`); in the band
@@ -56,6 +58,28 @@ impl<B: Backend> Rope<B> {
         Self {
             cos: table(cos),
             sin: table(sin),
+        }
+    }
+
+    /// The tables of `len` tokens from token `start` on.
+    pub fn narrow(&self, start: usize, len: usize) -> Self {
+        Self {
+            cos: self.cos.clone().narrow(0, start, len),
+            sin: self.sin.clone().narrow(0, start, len),
+        }
+    }
+
+    /// [`rms_norm`] of every head (`scale` `[head_dim]`), then [`apply`](Self::apply): one fused
+    /// kernel each way where [`burn_offload::rms_norm_rope`] has one (switched on by
+    /// `BURN_LORA_FUSED=1`; it rounds once, where the separate ops round the normalized value
+    /// and the scaled one too), elsewhere the two as written.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, heads, tokens, head_dim]`
+    pub fn apply_normalized(&self, x: Tensor<B, 4>, scale: Tensor<B, 1>, eps: f64) -> Tensor<B, 4> {
+        match burn_offload::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps) {
+            Some(out) => out,
+            None => self.apply(rms_norm(x, scale, eps)),
         }
     }
 

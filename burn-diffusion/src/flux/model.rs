@@ -13,7 +13,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 use burn_lora::LoraLinear;
 
 use super::FluxConfig;
-use crate::blocks::{Modulation, Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedding};
+use crate::blocks::{Modulation, Rope, gelu_tanh, layer_norm, sdpa, timestep_embedding};
 use crate::checkpointing::{BlockRunner, Direct};
 
 /// Epsilon of every layer norm and RMS norm of FLUX.
@@ -232,10 +232,6 @@ impl<B: Backend> RmsNorm<B> {
             scale: Initializer::Ones.init([dim], device),
         }
     }
-
-    fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        rms_norm(x, self.scale.val(), EPS)
-    }
 }
 
 /// RMS norms of the queries and keys, per head.
@@ -256,8 +252,8 @@ impl<B: Backend> QkNorm<B> {
     }
 
     /// `[batch, tokens, 3 · heads · head_dim]` → q, k, v as `[batch, heads, tokens, head_dim]`,
-    /// q and k normalized.
-    fn heads(&self, qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
+    /// q and k normalized and turned by the rotary embedding `pe` of these tokens.
+    fn heads(&self, qkv: Tensor<B, 3>, heads: usize, pe: &Rope<B>) -> [Tensor<B, 4>; 3] {
         let [b, l, width] = qkv.dims();
         let head_dim = width / 3 / heads;
         let qkv = qkv.reshape([b, l, 3, heads, head_dim]);
@@ -267,7 +263,11 @@ impl<B: Backend> QkNorm<B> {
                 .reshape([b, l, heads, head_dim])
                 .swap_dims(1, 2)
         });
-        [self.query_norm.forward(q), self.key_norm.forward(k), v]
+        [
+            pe.apply_normalized(q, self.query_norm.scale.val(), EPS),
+            pe.apply_normalized(k, self.key_norm.scale.val(), EPS),
+            v,
+        ]
     }
 }
 
@@ -368,14 +368,14 @@ impl<B: Backend> DoubleStreamBlock<B> {
             .txt_attn
             .qkv
             .forward(txt_mod1.scale_shift(layer_norm(txt.clone(), EPS)));
-        let [img_q, img_k, img_v] = self.img_attn.norm.heads(img_qkv, heads);
-        let [txt_q, txt_k, txt_v] = self.txt_attn.norm.heads(txt_qkv, heads);
         let (txt_len, img_len) = (txt.dims()[1], img.dims()[1]);
+        let (txt_pe, img_pe) = (pe.narrow(0, txt_len), pe.narrow(txt_len, img_len));
+        let [img_q, img_k, img_v] = self.img_attn.norm.heads(img_qkv, heads, &img_pe);
+        let [txt_q, txt_k, txt_v] = self.txt_attn.norm.heads(txt_qkv, heads, &txt_pe);
         let attn = attention(
             Tensor::cat(vec![txt_q, img_q], 2),
             Tensor::cat(vec![txt_k, img_k], 2),
             Tensor::cat(vec![txt_v, img_v], 2),
-            pe,
         );
         let txt_attn = attn.clone().narrow(1, 0, txt_len);
         let img_attn = attn.narrow(1, txt_len, img_len);
@@ -452,8 +452,8 @@ impl<B: Backend> SingleStreamBlock<B> {
             .split_with_sizes(vec![3 * hidden, mlp_hidden], 2)
             .try_into()
             .expect("two parts");
-        let [q, k, v] = self.norm.heads(qkv, self.num_heads);
-        let attn = attention(q, k, v, pe);
+        let [q, k, v] = self.norm.heads(qkv, self.num_heads, pe);
+        let attn = attention(q, k, v);
         let out = self
             .linear2
             .forward(Tensor::cat(vec![attn, gelu_tanh(mlp)], 2));
@@ -510,14 +510,10 @@ fn residuals<B: Backend>(
     x.clone() + mlp_mod.gate(mlp.forward(mlp_mod.scale_shift(layer_norm(x, EPS))))
 }
 
-/// Rotary embedding of q and k, attention, heads merged: `[batch, tokens, heads · head_dim]`.
-fn attention<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    pe: &Rope<B>,
-) -> Tensor<B, 3> {
-    let out = sdpa(pe.apply(q), pe.apply(k), v);
+/// Attention of q and k already turned by the rotary embedding, heads merged:
+/// `[batch, tokens, heads · head_dim]`.
+fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
+    let out = sdpa(q, k, v);
     let [b, h, l, d] = out.dims();
     out.swap_dims(1, 2).reshape([b, l, h * d])
 }

@@ -26,6 +26,7 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
 use crate::error::OffloadError;
 use crate::norm_rope::NormRope;
 use crate::target::{FusedAttention, StreamTarget};
+use crate::unary::UnaryOp;
 use crate::weight::{Encoding, HostMemory, HostWeight};
 
 fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
@@ -387,12 +388,13 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         )
     }
 
-    fn fused_gelu_tanh(x: &CubeTensor<CudaRuntime>) -> Option<CubeTensor<CudaRuntime>> {
+    fn fused_unary(op: UnaryOp, x: &CubeTensor<CudaRuntime>) -> Option<CubeTensor<CudaRuntime>> {
         let float = matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16);
-        (float && x.qparams.is_none()).then(|| crate::gelu_kernel::gelu_tanh(x.clone()))
+        (float && x.qparams.is_none()).then(|| crate::unary_kernel::unary(op, x.clone()))
     }
 
-    fn fused_gelu_tanh_backward(
+    fn fused_unary_backward(
+        op: UnaryOp,
         x: &CubeTensor<CudaRuntime>,
         grad: CubeTensor<CudaRuntime>,
     ) -> CubeTensor<CudaRuntime> {
@@ -401,7 +403,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         } else {
             Self::float_cast(grad, x.dtype.into())
         };
-        crate::gelu_kernel::gelu_tanh_backward(x.clone(), grad)
+        crate::unary_kernel::unary_backward(op, x.clone(), grad)
     }
 
     fn fused_norm_rope(o: &NormRope<Self>) -> Option<CubeTensor<CudaRuntime>> {

@@ -40,6 +40,16 @@ pub(crate) fn switched_on(var: &str, cell: &OnceLock<bool>, what: &str) -> bool 
     })
 }
 
+/// Whether the fused elementwise kernels may run: `BURN_LORA_FUSED` is `1`, `on` or `true`.
+pub(crate) fn elementwise_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(
+        "BURN_LORA_FUSED",
+        &ON,
+        "GELU, layer norm, and the q/k norm with the rotary embedding",
+    )
+}
+
 /// For the backend `$B`, tries the decorated types of each inner backend with fused kernels:
 /// `$tracked` runs on `Autodiff<Offload<T>>`, `$untracked` on `Offload<T>` (closures over the
 /// inputs seen as that type's tensors); on a match the enclosing function returns their result.

@@ -61,12 +61,13 @@
 //! ```
 #![warn(missing_docs)]
 
-mod activation;
 mod attention;
 mod backend;
 #[cfg(feature = "cuda")]
 mod blas;
 mod config;
+#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
+mod cube_tensor;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dispatch;
@@ -76,8 +77,6 @@ mod error;
 mod flash;
 #[cfg(any(feature = "cuda", test))]
 mod flash_plan;
-#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
-mod gelu_kernel;
 #[cfg(any(feature = "cuda", test))]
 mod gemm;
 mod norm_rope;
@@ -88,9 +87,11 @@ mod policy;
 mod stats;
 mod stream;
 mod target;
+mod unary;
+#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
+mod unary_kernel;
 mod weight;
 
-pub use activation::gelu_tanh;
 pub use attention::{attention, fused_attention_calls};
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 #[cfg(feature = "cuda")]
@@ -102,3 +103,4 @@ pub use policy::{Route, ScheduleOutcome};
 pub use stats::StepStats;
 pub use stream::WeightStream;
 pub use target::{FusedAttention, StreamTarget};
+pub use unary::{UnaryOp, gelu_tanh, layer_norm};

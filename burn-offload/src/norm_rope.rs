@@ -6,8 +6,6 @@
 //!
 //! Opt-in: `BURN_LORA_FUSED=1` (or `on`, `true`), until the GPU measurements show it faster.
 
-use std::sync::OnceLock;
-
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -18,7 +16,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{dispatch_offload, switched_on};
+use crate::dispatch::{dispatch_offload, elementwise_on};
 use crate::target::StreamTarget;
 
 /// The operands of one fused RMS norm and rotary embedding, in the inner backend's tensors.
@@ -51,8 +49,7 @@ pub fn rms_norm_rope<B: Backend>(
     sin: &Tensor<B, 2>,
     eps: f64,
 ) -> Option<Tensor<B, 4>> {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if switched_on("BURN_LORA_FUSED", &ON, "RMS norm and rotary embedding") {
+    if elementwise_on() {
         fused(x, scale, cos, sin, eps)
     } else {
         None

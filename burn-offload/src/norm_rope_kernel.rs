@@ -8,13 +8,14 @@
 //! One thread per row: a row is 64 or 128 values, so a block's rows stay in its cache between
 //! the two passes over them.
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::{cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
+
+use crate::cube_tensor::{array, empty_like};
 
 #[cube(launch)]
 fn norm_rope_kernel<F: Float>(
@@ -108,14 +109,6 @@ fn norm_rope_backward_kernel<F: Float>(
     }
 }
 
-/// The buffer of a contiguous tensor as an array argument.
-fn array<R: CubeRuntime>(tensor: &CubeTensor<R>) -> ArrayArg<R> {
-    let len = tensor.meta.shape().num_elements();
-    // SAFETY: a contiguous tensor's handle starts at its first element and holds `len` of them;
-    // every caller passes a tensor `into_contiguous` returned or one it allocated.
-    unsafe { ArrayArg::from_raw_parts(tensor.handle.clone(), len) }
-}
-
 /// The operands of one call, contiguous, the scale in `x`'s dtype and the tables in f32.
 struct Operands<R: CubeRuntime> {
     x: CubeTensor<R>,
@@ -168,16 +161,6 @@ impl<R: CubeRuntime> Operands<R> {
         }
     }
 
-    /// A new contiguous tensor shaped and typed like `x`.
-    fn empty(&self) -> CubeTensor<R> {
-        empty_device_contiguous_dtype(
-            self.x.client.clone(),
-            self.x.device.clone(),
-            Shape::from(self.x.meta.shape().to_vec()),
-            self.x.dtype,
-        )
-    }
-
     /// Threads per cube and cubes: one thread per row.
     fn launch_dims(&self) -> (CubeCount, CubeDim) {
         let cube_dim = CubeDim::new(&self.x.client, self.rows);
@@ -196,7 +179,7 @@ pub fn norm_rope<R: CubeRuntime>(
     eps: f32,
 ) -> CubeTensor<R> {
     let o = Operands::new(x, scale, cos, sin);
-    let out = o.empty();
+    let out = empty_like(&o.x);
     let (count, cube_dim) = o.launch_dims();
     norm_rope_kernel::launch(
         &o.x.client,
@@ -233,7 +216,7 @@ pub fn norm_rope_backward<R: CubeRuntime>(
     } else {
         cast(into_contiguous(grad), o.x.dtype)
     };
-    let dx = o.empty();
+    let dx = empty_like(&o.x);
     let (count, cube_dim) = o.launch_dims();
     norm_rope_backward_kernel::launch(
         &o.x.client,

@@ -15,6 +15,7 @@ use cubecl_common::bytes::{AllocationController, AllocationProperty};
 
 use crate::error::OffloadError;
 use crate::norm_rope::NormRope;
+use crate::unary::UnaryOp;
 use crate::weight::{HostMemory, HostWeight};
 
 /// A backend whose device can host the offload ring: [`Flex`] (on the CPU, for tests) and, with
@@ -116,22 +117,22 @@ pub trait StreamTarget: Backend {
         unreachable!("a backend without fused attention never returns a fused forward")
     }
 
-    /// GELU with the tanh approximation of `x` in one kernel (computed in f32, stored in `x`'s
-    /// dtype); `None` where the backend has no such kernel, and the caller computes it from
-    /// separate ops.
-    fn fused_gelu_tanh(x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
-        let _ = x;
+    /// `op` on `x` in one kernel (computed in f32, stored in `x`'s dtype); `None` where the
+    /// backend has no such kernel, and the caller computes it from separate ops.
+    fn fused_unary(op: UnaryOp, x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        let _ = (op, x);
         None
     }
 
     /// The gradient of `x` given `grad`, the gradient of an output that
-    /// [`fused_gelu_tanh`](Self::fused_gelu_tanh) computed from `x`.
-    fn fused_gelu_tanh_backward(
+    /// [`fused_unary`](Self::fused_unary) computed from `x`.
+    fn fused_unary_backward(
+        op: UnaryOp,
         x: &FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let _ = (x, grad);
-        unreachable!("a backend without a fused GELU never returns a fused forward")
+        let _ = (op, x, grad);
+        unreachable!("a backend without fused unary ops never returns a fused forward")
     }
 
     /// The RMS norm and rotary embedding of `operands.x` in one kernel (see

@@ -1,0 +1,376 @@
+//! The fused ops of one tensor ([`UnaryOp`]) as CubeCL kernels, one each way, for any CubeCL
+//! runtime; computed in f32 and stored in the tensor's dtype. The mechanism behind
+//! [`gelu_tanh`](crate::gelu_tanh) and [`layer_norm`](crate::layer_norm); tested on wgpu (f32),
+//! run on CUDA (bf16).
+//!
+//! GELU (tanh), `y = x/2 · (1 + tanh(z))`, `z = √(2/π) · (x + 0.044715 x³)`: as separate ops
+//! the forward is nine passes over the tensor and the backward more; here each is one. The
+//! kernels use the same function written with the logistic σ, `(1 + tanh z) / 2 = σ(2z)` and
+//! `1 − tanh² z = 4 σ(2z) σ(−2z)`, each σ from its own exponential, so that no difference of
+//! nearly equal numbers loses the tails (the tanh form gives a zero gradient below x ≈ −4.5 in
+//! f32).
+//!
+//! Layer norm: one cube of [`ROW_UNITS`] units per row, the sums reduced in shared memory; the
+//! forward reads the row three times (mean, centered variance, output) and the backward four,
+//! from cache after the first.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use crate::cube_tensor::{array, empty_like};
+use crate::unary::UnaryOp;
+
+/// √(2/π).
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The cubic term's coefficient.
+const CUBIC: f32 = 0.044_715;
+
+#[cube(launch)]
+fn gelu_tanh_kernel<F: Float>(x: &Array<F>, y: &mut Array<F>, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let v = f32::cast_from(x[i]);
+    let z = SQRT_2_OVER_PI * (v + CUBIC * v * v * v);
+    y[i] = F::cast_from(v / (1.0f32 + f32::exp(-2.0f32 * z)));
+}
+
+#[cube(launch)]
+fn gelu_tanh_backward_kernel<F: Float>(
+    x: &Array<F>,
+    grad: &Array<F>,
+    dx: &mut Array<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let v = f32::cast_from(x[i]);
+    let z = SQRT_2_OVER_PI * (v + CUBIC * v * v * v);
+    let dz = SQRT_2_OVER_PI * (1.0f32 + 3.0f32 * CUBIC * v * v);
+    let s = 1.0f32 / (1.0f32 + f32::exp(-2.0f32 * z));
+    let s_complement = 1.0f32 / (1.0f32 + f32::exp(2.0f32 * z));
+    let slope = s + 2.0f32 * v * s * s_complement * dz;
+    dx[i] = F::cast_from(f32::cast_from(grad[i]) * slope);
+}
+
+/// Units per cube of the layer-norm kernels: one cube per row.
+pub const ROW_UNITS: usize = 1 << ROW_LEVELS;
+/// Halvings that reduce `ROW_UNITS` values to one.
+const ROW_LEVELS: usize = 8;
+
+/// The sum of every unit's `value` over the cube (`ROW_UNITS` units), through `shared`.
+#[cube]
+fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    shared[unit] = value;
+    sync_cube();
+    #[unroll]
+    for level in 1..=ROW_LEVELS {
+        let stride = ROW_UNITS >> level;
+        if unit < stride {
+            shared[unit] = shared[unit] + shared[unit + stride];
+        }
+        sync_cube();
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// A row's mean and `1 / √(var + eps)`, the variance of the centered values.
+#[cube]
+fn row_statistics<F: Float>(
+    x: &Array<F>,
+    shared: &mut SharedMemory<f32>,
+    base: usize,
+    dim: usize,
+    eps: f32,
+) -> (f32, f32) {
+    let unit = UNIT_POS_X as usize;
+    let mut sum = 0.0f32;
+    let mut c = unit;
+    while c < dim {
+        sum += f32::cast_from(x[base + c]);
+        c += ROW_UNITS;
+    }
+    let mean = cube_sum(shared, sum) / f32::cast_from(dim);
+    let mut squares = 0.0f32;
+    c = unit;
+    while c < dim {
+        let v = f32::cast_from(x[base + c]) - mean;
+        squares += v * v;
+        c += ROW_UNITS;
+    }
+    let variance = cube_sum(shared, squares) / f32::cast_from(dim);
+    (mean, 1.0f32 / f32::sqrt(variance + eps))
+}
+
+#[cube(launch)]
+fn layer_norm_kernel<F: Float>(
+    x: &Array<F>,
+    y: &mut Array<F>,
+    dim: usize,
+    eps: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let base = CUBE_POS_X as usize * dim;
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS);
+    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps);
+    let mut c = UNIT_POS_X as usize;
+    while c < dim {
+        y[base + c] = F::cast_from((f32::cast_from(x[base + c]) - mean) * inverse);
+        c += ROW_UNITS;
+    }
+}
+
+/// `dx = inverse · (g − mean(g) − n · mean(g ∘ n))`, `n` the normalized row.
+#[cube(launch)]
+fn layer_norm_backward_kernel<F: Float>(
+    x: &Array<F>,
+    grad: &Array<F>,
+    dx: &mut Array<F>,
+    dim: usize,
+    eps: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let base = CUBE_POS_X as usize * dim;
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS);
+    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps);
+    let unit = UNIT_POS_X as usize;
+    let mut sum = 0.0f32;
+    let mut dot = 0.0f32;
+    let mut c = unit;
+    while c < dim {
+        let g = f32::cast_from(grad[base + c]);
+        sum += g;
+        dot += g * (f32::cast_from(x[base + c]) - mean) * inverse;
+        c += ROW_UNITS;
+    }
+    let grad_mean = cube_sum(&mut shared, sum) / f32::cast_from(dim);
+    let dot_mean = cube_sum(&mut shared, dot) / f32::cast_from(dim);
+    c = unit;
+    while c < dim {
+        let n = (f32::cast_from(x[base + c]) - mean) * inverse;
+        let g = f32::cast_from(grad[base + c]);
+        dx[base + c] = F::cast_from(inverse * (g - grad_mean - n * dot_mean));
+        c += ROW_UNITS;
+    }
+}
+
+/// `op` on the float tensor `x` (made contiguous first when it is a strided view).
+pub fn unary<R: CubeRuntime>(op: UnaryOp, x: CubeTensor<R>) -> CubeTensor<R> {
+    match op {
+        UnaryOp::GeluTanh => gelu_tanh(x),
+        UnaryOp::LayerNorm { eps } => layer_norm(x, eps),
+    }
+}
+
+/// The gradient of `x` given `grad`, the gradient of `op` on `x` (same shape).
+pub fn unary_backward<R: CubeRuntime>(
+    op: UnaryOp,
+    x: CubeTensor<R>,
+    grad: CubeTensor<R>,
+) -> CubeTensor<R> {
+    assert_eq!(x.meta.shape(), grad.meta.shape(), "gradient shape");
+    assert_eq!(x.dtype, grad.dtype, "gradient dtype");
+    let (x, grad) = (into_contiguous(x), into_contiguous(grad));
+    match op {
+        UnaryOp::GeluTanh => gelu_tanh_backward(x, grad),
+        UnaryOp::LayerNorm { eps } => layer_norm_backward(x, grad, eps),
+    }
+}
+
+/// Rows of the last dimension's length, and that length.
+fn rows<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
+    let shape = x.meta.shape();
+    let dim = shape[shape.len() - 1];
+    (shape.num_elements() / dim.max(1), dim)
+}
+
+fn layer_norm<R: CubeRuntime>(x: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let y = empty_like(&x);
+    let (rows, dim) = rows(&x);
+    layer_norm_kernel::launch(
+        &x.client,
+        CubeCount::new_1d(rows as u32),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        array(&x),
+        array(&y),
+        dim,
+        eps,
+        x.dtype.into(),
+    );
+    y
+}
+
+fn layer_norm_backward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    eps: f32,
+) -> CubeTensor<R> {
+    let dx = empty_like(&x);
+    let (rows, dim) = rows(&x);
+    layer_norm_backward_kernel::launch(
+        &x.client,
+        CubeCount::new_1d(rows as u32),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        array(&x),
+        array(&grad),
+        array(&dx),
+        dim,
+        eps,
+        x.dtype.into(),
+    );
+    dx
+}
+
+fn gelu_tanh<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let out = empty_like(&x);
+    let n = x.meta.shape().num_elements();
+    let cube_dim = CubeDim::new(&x.client, n);
+    let cube_count = calculate_cube_count_elemwise(&x.client, n, cube_dim);
+    gelu_tanh_kernel::launch(
+        &x.client,
+        cube_count,
+        cube_dim,
+        array(&x),
+        array(&out),
+        x.dtype.into(),
+    );
+    out
+}
+
+fn gelu_tanh_backward<R: CubeRuntime>(x: CubeTensor<R>, grad: CubeTensor<R>) -> CubeTensor<R> {
+    let out = empty_like(&x);
+    let n = x.meta.shape().num_elements();
+    let cube_dim = CubeDim::new(&x.client, n);
+    let cube_count = calculate_cube_count_elemwise(&x.client, n, cube_dim);
+    gelu_tanh_backward_kernel::launch(
+        &x.client,
+        cube_count,
+        cube_dim,
+        array(&x),
+        array(&grad),
+        array(&out),
+        x.dtype.into(),
+    );
+    out
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use burn::backend::Wgpu;
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+
+    fn reference(x: f64) -> f64 {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (c * (x + 0.044715 * x.powi(3))).tanh())
+    }
+
+    fn values(t: CubeTensor<cubecl::wgpu::WgpuRuntime>) -> Vec<f32> {
+        Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(t))
+            .into_data()
+            .to_vec()
+            .unwrap()
+    }
+
+    /// The kernels on a strided view (made contiguous first) against the formula in f64, and
+    /// the gradient against a central difference of that formula.
+    #[test]
+    fn forward_and_gradient_match_float64() {
+        let device = Default::default();
+        let x = Tensor::<Wgpu, 2>::random([37, 129], Distribution::Normal(0.0, 2.5), &device)
+            .swap_dims(0, 1);
+        let grad = Tensor::<Wgpu, 2>::random([129, 37], Distribution::Default, &device);
+        let xs: Vec<f32> = x.to_data().to_vec().unwrap();
+        let gs: Vec<f32> = grad.to_data().to_vec().unwrap();
+        let x = x.into_primitive().tensor();
+        let y = values(unary(UnaryOp::GeluTanh, x.clone()));
+        let dx = values(unary_backward(
+            UnaryOp::GeluTanh,
+            x,
+            grad.into_primitive().tensor(),
+        ));
+        let h = 1e-6;
+        for (i, &v) in xs.iter().enumerate() {
+            let v = v as f64;
+            let want = reference(v);
+            assert!(
+                (y[i] as f64 - want).abs() <= 1e-6 + 1e-5 * want.abs(),
+                "gelu({v}) = {}, expected {want}",
+                y[i]
+            );
+            let slope = (reference(v + h) - reference(v - h)) / (2.0 * h);
+            let want = gs[i] as f64 * slope;
+            assert!(
+                (dx[i] as f64 - want).abs() <= 1e-6 + 1e-5 * want.abs(),
+                "gradient at {v}: {}, expected {want}",
+                dx[i]
+            );
+        }
+    }
+
+    fn layer_norm_row(x: &[f64], eps: f64) -> Vec<f64> {
+        let n = x.len() as f64;
+        let mean = x.iter().sum::<f64>() / n;
+        let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        x.iter().map(|v| (v - mean) / (var + eps).sqrt()).collect()
+    }
+
+    /// Rows longer and shorter than a cube, one of them a strided view: the output against the
+    /// formula in f64, the gradient of `Σ grad ∘ y` against its central differences.
+    #[test]
+    fn layer_norm_and_gradient_match_float64() {
+        let device = Default::default();
+        let eps = 1e-5;
+        let op = UnaryOp::LayerNorm { eps: eps as f32 };
+        for (rows, dim) in [(5, 300), (4, 7)] {
+            let x = Tensor::<Wgpu, 2>::random([dim, rows], Distribution::Normal(0.5, 2.0), &device)
+                .swap_dims(0, 1);
+            let grad = Tensor::<Wgpu, 2>::random([rows, dim], Distribution::Default, &device);
+            let xs: Vec<f64> = x.to_data().iter::<f64>().collect();
+            let gs: Vec<f64> = grad.to_data().iter::<f64>().collect();
+            let x = x.into_primitive().tensor();
+            let y = values(unary(op, x.clone()));
+            let dx = values(unary_backward(op, x, grad.into_primitive().tensor()));
+            for row in 0..rows {
+                let (xr, gr) = (&xs[row * dim..][..dim], &gs[row * dim..][..dim]);
+                let want = layer_norm_row(xr, eps);
+                let loss = |x: &[f64]| -> f64 {
+                    layer_norm_row(x, eps)
+                        .iter()
+                        .zip(gr)
+                        .map(|(y, g)| y * g)
+                        .sum()
+                };
+                for c in 0..dim {
+                    let got = y[row * dim + c] as f64;
+                    assert!(
+                        (got - want[c]).abs() <= 1e-5 + 1e-5 * want[c].abs(),
+                        "row {row} of {dim}, lane {c}: {got}, expected {}",
+                        want[c]
+                    );
+                    let h = 1e-6;
+                    let (mut up, mut down) = (xr.to_vec(), xr.to_vec());
+                    up[c] += h;
+                    down[c] -= h;
+                    let slope = (loss(&up) - loss(&down)) / (2.0 * h);
+                    let got = dx[row * dim + c] as f64;
+                    assert!(
+                        (got - slope).abs() <= 1e-4 + 1e-4 * slope.abs(),
+                        "gradient at row {row} of {dim}, lane {c}: {got}, expected {slope}"
+                    );
+                }
+            }
+        }
+    }
+}

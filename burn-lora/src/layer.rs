@@ -182,13 +182,18 @@ impl<B: Backend, L: BaseLayer<B>> Adapted<B, L> {
     }
 }
 
-/// `y + factor · d`, with `d` cast back to `y`'s dtype.
+/// `y + factor · d`, with `d` cast back to `y`'s dtype; a factor of 1 (alpha equal to the rank,
+/// the default) costs no pass over `d`.
 fn add_branch<B: Backend, const D: usize>(
     y: Tensor<B, D>,
     d: Tensor<B, D>,
     factor: f64,
 ) -> Tensor<B, D> {
-    let d = d.mul_scalar(factor);
+    let d = if factor == 1.0 {
+        d
+    } else {
+        d.mul_scalar(factor)
+    };
     let d = if d.dtype() == y.dtype() {
         d
     } else {

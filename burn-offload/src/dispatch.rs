@@ -8,8 +8,14 @@
 use std::any::Any;
 use std::sync::OnceLock;
 
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::Ops;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+
+use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
+use crate::target::StreamTarget;
 
 /// `value` as a `T` when it is one.
 fn exactly<A: 'static, T: 'static>(value: A) -> Option<T> {
@@ -26,6 +32,22 @@ pub(crate) fn on<B: Backend, T: Backend, const N: usize, const D: usize>(
     let same = "the caller compared the TypeIds";
     let out = f(tensors.map(|t| exactly::<_, Tensor<T, D>>(t.clone()).expect(same)))?;
     Some(exactly(out).expect(same))
+}
+
+/// The backward step of a fused op with one input: the output's gradient from `grads`, turned
+/// by `gradient` (given the op's saved state) into the input's, registered when the input
+/// needs one.
+pub(crate) fn one_input_backward<T: StreamTarget, P: PrefetchPolicy, S>(
+    ops: Ops<S, 1>,
+    grads: &mut Gradients,
+    gradient: impl FnOnce(&S, FloatTensor<T>) -> FloatTensor<T>,
+) {
+    let grad = grads.consume::<Offload<T, P>>(&ops.node).into_inner();
+    let [parent] = ops.parents;
+    if let Some(node) = parent {
+        let input = OffloadTensor::from_inner(gradient(&ops.state, grad));
+        grads.register::<Offload<T, P>>(node.id, input);
+    }
 }
 
 /// Whether the environment variable `var` is `1`, `on` or `true`, read once into `cell`; says so

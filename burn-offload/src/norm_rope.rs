@@ -16,7 +16,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{dispatch_offload, elementwise_on};
+use crate::dispatch::{dispatch_offload, elementwise_on, one_input_backward};
 use crate::target::StreamTarget;
 
 /// The operands of one fused RMS norm and rotary embedding, in the inner backend's tensors.
@@ -139,12 +139,7 @@ impl<T: StreamTarget, P: crate::PrefetchPolicy> Backward<Offload<T, P>, 1> for N
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let grad = grads.consume::<Offload<T, P>>(&ops.node).into_inner();
-        let [parent] = ops.parents;
-        if let Some(node) = parent {
-            let gradient = T::fused_norm_rope_backward(&ops.state, grad);
-            grads.register::<Offload<T, P>>(node.id, OffloadTensor::from_inner(gradient));
-        }
+        one_input_backward::<T, P, _>(ops, grads, T::fused_norm_rope_backward);
     }
 }
 

@@ -17,6 +17,38 @@ use cubecl::prelude::*;
 
 use crate::cube_tensor::{array, empty_like};
 
+/// `1 / √(mean(x²) + eps)` of the row of `dim` values at `base`.
+#[cube]
+fn inverse_rms<F: Float>(x: &Array<F>, base: usize, dim: usize, eps: f32) -> f32 {
+    let mut squares = 0.0f32;
+    for c in 0..dim {
+        let v = f32::cast_from(x[base + c]);
+        squares += v * v;
+    }
+    1.0f32 / f32::sqrt(squares / f32::cast_from(dim) + eps)
+}
+
+/// The gradient of lanes `c` and `c + 1` turned back by their angle (the rotation's
+/// transpose), times the scale: the gradient of the scaled normalized pair.
+#[cube]
+fn turned_back<F: Float>(
+    grad: &Array<F>,
+    scale: &Array<F>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    base: usize,
+    angles: usize,
+    c: usize,
+) -> (f32, f32) {
+    let (co, si) = (cos[angles + c], sin[angles + c]);
+    let g0 = f32::cast_from(grad[base + c]);
+    let g1 = f32::cast_from(grad[base + c + 1]);
+    (
+        (g0 * co + g1 * si) * f32::cast_from(scale[c]),
+        (g1 * co - g0 * si) * f32::cast_from(scale[c + 1]),
+    )
+}
+
 #[cube(launch)]
 fn norm_rope_kernel<F: Float>(
     x: &Array<F>,
@@ -36,12 +68,7 @@ fn norm_rope_kernel<F: Float>(
     }
     let base = row * dim;
     let angles = (row % tokens) * dim;
-    let mut squares = 0.0f32;
-    for c in 0..dim {
-        let v = f32::cast_from(x[base + c]);
-        squares += v * v;
-    }
-    let inverse = 1.0f32 / f32::sqrt(squares / f32::cast_from(dim) + eps);
+    let inverse = inverse_rms(x, base, dim, eps);
     for j in 0..dim / 2 {
         let c = 2 * j;
         let n0 = f32::cast_from(x[base + c]) * inverse * f32::cast_from(scale[c]);
@@ -74,34 +101,17 @@ fn norm_rope_backward_kernel<F: Float>(
     }
     let base = row * dim;
     let angles = (row % tokens) * dim;
-    let mut squares = 0.0f32;
-    for c in 0..dim {
-        let v = f32::cast_from(x[base + c]);
-        squares += v * v;
-    }
-    let inverse = 1.0f32 / f32::sqrt(squares / f32::cast_from(dim) + eps);
+    let inverse = inverse_rms(x, base, dim, eps);
     let mut dot = 0.0f32;
     for j in 0..dim / 2 {
         let c = 2 * j;
-        let (co, si) = (cos[angles + c], sin[angles + c]);
-        let (g0, g1) = (
-            f32::cast_from(grad[base + c]),
-            f32::cast_from(grad[base + c + 1]),
-        );
-        let gn0 = (g0 * co + g1 * si) * f32::cast_from(scale[c]);
-        let gn1 = (g1 * co - g0 * si) * f32::cast_from(scale[c + 1]);
+        let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
         dot += gn0 * f32::cast_from(x[base + c]) + gn1 * f32::cast_from(x[base + c + 1]);
     }
     let mean = dot * inverse / f32::cast_from(dim);
     for j in 0..dim / 2 {
         let c = 2 * j;
-        let (co, si) = (cos[angles + c], sin[angles + c]);
-        let (g0, g1) = (
-            f32::cast_from(grad[base + c]),
-            f32::cast_from(grad[base + c + 1]),
-        );
-        let gn0 = (g0 * co + g1 * si) * f32::cast_from(scale[c]);
-        let gn1 = (g1 * co - g0 * si) * f32::cast_from(scale[c + 1]);
+        let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
         let n0 = f32::cast_from(x[base + c]) * inverse;
         let n1 = f32::cast_from(x[base + c + 1]) * inverse;
         dx[base + c] = F::cast_from(inverse * (gn0 - n0 * mean));

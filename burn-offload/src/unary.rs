@@ -15,7 +15,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{dispatch_offload, elementwise_on};
+use crate::dispatch::{dispatch_offload, elementwise_on, one_input_backward};
 use crate::target::StreamTarget;
 
 /// A fused op of one tensor whose gradient needs only that tensor.
@@ -99,12 +99,9 @@ impl<T: StreamTarget, P: crate::PrefetchPolicy> Backward<Offload<T, P>, 1> for U
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let grad = grads.consume::<Offload<T, P>>(&ops.node).into_inner();
-        let [parent] = ops.parents;
-        if let Some(node) = parent {
-            let gradient = T::fused_unary_backward(self.0, &ops.state, grad);
-            grads.register::<Offload<T, P>>(node.id, OffloadTensor::from_inner(gradient));
-        }
+        one_input_backward::<T, P, _>(ops, grads, |x, grad| {
+            T::fused_unary_backward(self.0, x, grad)
+        });
     }
 }
 

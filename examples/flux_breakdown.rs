@@ -22,7 +22,7 @@ use burn::tensor::{Distribution, FloatDType, IntDType, Tensor};
 use burn_diffusion::blocks::{Modulation, Rope, gelu_tanh, layer_norm, sdpa};
 use burn_diffusion::flux::FluxConfig;
 use burn_lora::{LoraConfig, LoraPlan};
-use burn_offload::{Offload, cublas_products, fused_attention_calls};
+use burn_offload::{Offload, cublas_products, fused_attention_calls, fused_elementwise_calls};
 use timing::{clock, time};
 
 type B = Autodiff<Offload<Cuda>>;
@@ -173,8 +173,9 @@ fn main() {
         (whole[1] - both) * 1e3
     );
     println!(
-        "{} products through cuBLAS, {} fused attentions",
+        "{} products through cuBLAS, {} fused attentions, {} fused elementwise ops",
         cublas_products(),
-        fused_attention_calls()
+        fused_attention_calls(),
+        fused_elementwise_calls()
     );
 }

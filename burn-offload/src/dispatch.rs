@@ -7,6 +7,7 @@
 
 use std::any::Any;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::Ops;
@@ -60,6 +61,23 @@ pub(crate) fn switched_on(var: &str, cell: &OnceLock<bool>, what: &str) -> bool 
         }
         on
     })
+}
+
+/// Fused elementwise ops run so far, in this process.
+static ELEMENTWISE_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many GELU, layer-norm and q/k norm-and-rotation calls this process has run through a
+/// fused op (every other one ran as separate ops): lets a program check which path it measured.
+pub fn fused_elementwise_calls() -> u64 {
+    ELEMENTWISE_CALLS.load(Ordering::Relaxed)
+}
+
+/// Counts `out` in [`fused_elementwise_calls`] when it is a fused result, and passes it on.
+pub(crate) fn count_elementwise<T>(out: Option<T>) -> Option<T> {
+    if out.is_some() {
+        ELEMENTWISE_CALLS.fetch_add(1, Ordering::Relaxed);
+    }
+    out
 }
 
 /// Whether the fused elementwise kernels may run: `BURN_LORA_FUSED` is `1`, `on` or `true`.

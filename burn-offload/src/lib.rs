@@ -66,6 +66,7 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod blas;
 mod config;
+mod cpu_kernels;
 #[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
 mod cube_tensor;
 #[cfg(feature = "cuda")]
@@ -97,6 +98,7 @@ pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, P
 #[cfg(feature = "cuda")]
 pub use blas::cublas_products;
 pub use config::{OffloadConfig, WireFormat};
+pub use dispatch::fused_elementwise_calls;
 pub use error::OffloadError;
 pub use norm_rope::{NormRope, rms_norm_rope};
 pub use policy::{Route, ScheduleOutcome};

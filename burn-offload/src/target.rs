@@ -13,6 +13,7 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Bytes, TensorData};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
 
+use crate::cpu_kernels;
 use crate::error::OffloadError;
 use crate::norm_rope::NormRope;
 use crate::unary::UnaryOp;
@@ -313,6 +314,29 @@ impl StreamTarget for Flex {
 
     fn memory_in_use(_device: &Self::Device) -> Option<u64> {
         None
+    }
+
+    fn fused_unary(op: UnaryOp, x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
+        Some(cpu_kernels::unary(op, x))
+    }
+
+    fn fused_unary_backward(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cpu_kernels::unary_backward(op, x, &grad)
+    }
+
+    fn fused_norm_rope(operands: &NormRope<Self>) -> Option<FloatTensor<Self>> {
+        Some(cpu_kernels::norm_rope(operands))
+    }
+
+    fn fused_norm_rope_backward(
+        operands: &NormRope<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cpu_kernels::norm_rope_backward(operands, &grad)
     }
 }
 

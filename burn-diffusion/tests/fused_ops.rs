@@ -1,0 +1,103 @@
+//! The fused elementwise ops (`BURN_LORA_FUSED=1`) against the separate ops they replace: GELU
+//! (tanh), layer norm and the q/k RMS norm with the rotary embedding, on `Autodiff<Offload<Flex>>`
+//! (where burn-offload records each as one autodiff op with Flex's CPU kernels) and on
+//! `Autodiff<Flex>` (the separate ops), outputs and input gradients, in f32.
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData, Tolerance};
+use burn_diffusion::blocks::{Rope, gelu_tanh, layer_norm};
+use burn_offload::{Offload, fused_elementwise_calls};
+
+type Fused = Autodiff<Offload<Flex>>;
+type Separate = Autodiff<Flex>;
+
+/// Values spread over [-4, 4) from a fixed sequence.
+fn data(shape: &[usize], seed: u64) -> TensorData {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 21) as f32 - 4.0
+        })
+        .collect();
+    TensorData::new(values, shape.to_vec())
+}
+
+/// `f`'s output on `input` and the gradient of `Σ r ∘ f(input)` (`r` fixed), on `B`.
+fn run<B: AutodiffBackend, const D: usize>(
+    input: &TensorData,
+    f: impl Fn(Tensor<B, D>) -> Tensor<B, D>,
+) -> [TensorData; 2] {
+    let device = Default::default();
+    let x = Tensor::<B, D>::from_data(input.clone(), &device).require_grad();
+    let out = f(x.clone());
+    let r = Tensor::<B, D>::from_data(data(&out.dims(), 99), &device);
+    let grads = (out.clone() * r).sum().backward();
+    [
+        out.into_data(),
+        x.grad(&grads).expect("a gradient").into_data(),
+    ]
+}
+
+/// Runs `op` both ways and compares; the fused side must have run one fused op.
+fn compare<const D: usize>(
+    name: &str,
+    input: TensorData,
+    fused: impl Fn(Tensor<Fused, D>) -> Tensor<Fused, D>,
+    separate: impl Fn(Tensor<Separate, D>) -> Tensor<Separate, D>,
+) {
+    let calls = fused_elementwise_calls();
+    let [y, dx] = run(&input, fused);
+    assert!(
+        fused_elementwise_calls() > calls,
+        "{name}: the fused op did not run"
+    );
+    let [want_y, want_dx] = run(&input, separate);
+    let tolerance = Tolerance::absolute(2e-5).set_relative(2e-5);
+    y.assert_approx_eq::<f32>(&want_y, tolerance);
+    dx.assert_approx_eq::<f32>(&want_dx, tolerance);
+    eprintln!("{name}: output and gradient match");
+}
+
+fn rope<B: Backend>(tokens: usize) -> Rope<B> {
+    let positions: Vec<f64> = (0..tokens)
+        .flat_map(|i| [0.0, (i / 3) as f64, (i % 3) as f64])
+        .collect();
+    Rope::new(&positions, &[4, 6, 6], 10_000.0, &Default::default())
+}
+
+#[test]
+fn fused_ops_match_the_separate_ops() {
+    // SAFETY: this binary's only test sets the variable before anything reads the environment.
+    unsafe { std::env::set_var("BURN_LORA_FUSED", "1") };
+
+    compare::<3>("GELU (tanh)", data(&[2, 5, 33], 1), gelu_tanh, gelu_tanh);
+    compare::<3>(
+        "layer norm",
+        data(&[2, 5, 300], 2),
+        |x| layer_norm(x, 1e-6),
+        |x| layer_norm(x, 1e-6),
+    );
+    let (tokens, dim) = (7, 16);
+    let scale = data(&[dim], 3);
+    let (pe_fused, pe_separate) = (rope::<Fused>(tokens), rope::<Separate>(tokens));
+    compare::<4>(
+        "q/k RMS norm + rotary embedding",
+        data(&[2, 3, tokens, dim], 4),
+        |x| normalized(&pe_fused, x, &scale),
+        |x| normalized(&pe_separate, x, &scale),
+    );
+}
+
+/// `pe.apply_normalized` with the scale `scale`.
+fn normalized<B: Backend>(pe: &Rope<B>, x: Tensor<B, 4>, scale: &TensorData) -> Tensor<B, 4> {
+    pe.apply_normalized(
+        x,
+        Tensor::from_data(scale.clone(), &Default::default()),
+        1e-6,
+    )
+}

@@ -115,8 +115,11 @@ fn rank_1024_alpha_64_keeps_scale_one_sixteenth() {
     let x = Tensor::<B, 2>::random([3, 16], Distribution::Default, &Default::default());
     let expected = model.layer.forward(x.clone()).into_data();
     let base_out = model.layer.base().forward(x.clone()).into_data();
+    // The update is about 0.7 % of the output (the base weights and `x` are random, so it is
+    // sometimes below 0.1 %); 1e-4 is far above rounding, and a 16x update would still show
+    // against the 1e-5 tolerance below.
     assert!(
-        rel_err(&expected, &base_out) > 1e-3,
+        rel_err(&expected, &base_out) > 1e-4,
         "the update is visible"
     );
 

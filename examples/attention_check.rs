@@ -96,11 +96,7 @@ fn run<B: AutodiffBackend>(
         }
     };
     let r = input::<B, 4>([b, h, lq, d], 4, precision, device);
-    let wide = if precision.compute == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let wide = precision.wide();
     let grads = (out.clone().cast(wide) * r.cast(wide)).sum().backward();
     let grad = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
     [out.into_data(), grad(&q), grad(&k), grad(&v)]

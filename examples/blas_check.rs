@@ -82,11 +82,7 @@ fn cases<B: AutodiffBackend>(dtype: Precision, device: &B::Device) -> Vec<(Strin
     let k = input::<B, 4>([2, 3, 77, 64], 15, dtype, device).require_grad();
     let v = input::<B, 4>([2, 3, 77, 64], 16, dtype, device).require_grad();
     let scores = q.clone().matmul(k.clone().swap_dims(2, 3)) * 0.125;
-    let wide = if dtype.compute == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let wide = dtype.wide();
     let o = softmax(scores.cast(wide), 3)
         .cast(dtype.compute)
         .matmul(v.clone());

@@ -68,11 +68,7 @@ fn run<B: AutodiffBackend>(
         }
     };
     let r = input::<B, 4>(shape, 3, precision, device);
-    let wide = if precision.compute == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let wide = precision.wide();
     let grads = (out.clone().cast(wide) * r.cast(wide)).sum().backward();
     [
         out.into_data(),

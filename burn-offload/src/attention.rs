@@ -9,9 +9,6 @@
 //! softmax is measured by `examples/attention_check.rs` (burn-offload/DESIGN.md, "Fused
 //! attention").
 
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -22,17 +19,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{dispatch_offload, switched_on};
+use crate::dispatch::{ATTENTION_CALLS, FLASH, dispatch_offload};
 use crate::target::{FusedAttention, StreamTarget};
-
-/// Attention calls the fused kernels computed so far, in this process.
-static CALLS: AtomicU64 = AtomicU64::new(0);
-
-/// How many attention forward passes this process has run through a fused kernel (every
-/// other one ran as separate ops): lets a program check which path it measured.
-pub fn fused_attention_calls() -> u64 {
-    CALLS.load(Ordering::Relaxed)
-}
 
 /// `softmax(scale · q kᵀ) v` over `[batch, heads, rows, head_dim]` tensors through the fused
 /// kernel of the backend under [`Offload`], or `None` when `B` is not `Autodiff<Offload<T>>` or
@@ -45,39 +33,27 @@ pub fn attention<B: Backend>(
     v: &Tensor<B, 4>,
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if switched_on("BURN_LORA_FLASH", &ON, "attention") {
+    if FLASH.on() {
         fused(q, k, v, scale)
     } else {
         None
     }
 }
 
-/// [`attention`] whatever the switch says, counted in [`fused_attention_calls`].
+/// [`attention`] whatever the switch says, counted in
+/// [`fused_attention_calls`](crate::fused_attention_calls).
 fn fused<B: Backend>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     v: &Tensor<B, 4>,
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    let out = dispatched(q, k, v, scale);
-    if out.is_some() {
-        CALLS.fetch_add(1, Ordering::Relaxed);
-    }
-    out
-}
-
-/// The fused forward on the decorated backend `B` is, `None` on any other.
-fn dispatched<B: Backend>(
-    q: &Tensor<B, 4>,
-    k: &Tensor<B, 4>,
-    v: &Tensor<B, 4>,
-    scale: f64,
-) -> Option<Tensor<B, 4>> {
-    dispatch_offload!(B, [q, k, v], |qkv| tracked(qkv, scale), |qkv| untracked(
-        qkv, scale
-    ));
-    None
+    ATTENTION_CALLS.count(dispatch_offload!(
+        B,
+        [q, k, v],
+        |qkv| tracked(qkv, scale),
+        |qkv| untracked(qkv, scale)
+    ))
 }
 
 /// The fused forward on `Offload<T>`, without gradients.
@@ -164,6 +140,7 @@ impl<T: StreamTarget, P: crate::PrefetchPolicy> Backward<Offload<T, P>, 3> for F
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused_attention_calls;
     use burn::backend::Flex;
     use burn::tensor::Distribution;
 

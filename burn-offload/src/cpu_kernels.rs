@@ -4,17 +4,12 @@
 //! the ops' dispatch, recording and backward end to end.
 
 use burn::backend::Flex;
-use burn::tensor::TensorData;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{TensorData, TensorMetadata};
 use cubecl_common::future::block_on;
 
 use crate::norm_rope::NormRope;
-use crate::unary::UnaryOp;
-
-/// √(2/π).
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-/// GELU's cubic coefficient.
-const CUBIC: f32 = 0.044_715;
+use crate::unary::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
 
 /// A tensor's values as f32, and its shape.
 fn values(t: &FloatTensor<Flex>) -> (Vec<f32>, Vec<usize>) {
@@ -125,8 +120,8 @@ struct Tables {
 
 impl Tables {
     fn new(o: &NormRope<Flex>) -> Self {
-        let (_, shape) = values(&o.x);
-        let (tokens, dim) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+        let shape = o.x.shape();
+        let (tokens, dim) = (shape[shape.num_dims() - 2], shape[shape.num_dims() - 1]);
         Self {
             scale: values(&o.scale).0,
             cos: values(&o.cos).0,

@@ -1,11 +1,25 @@
-//! What the CubeCL kernels' launches share: a contiguous tensor's buffer as an array argument,
-//! and a fresh output.
+//! What the CubeCL kernels' launches share: operands made contiguous in the dtype a kernel
+//! reads, their buffers as array arguments, fresh outputs, and the launch size for one unit per
+//! element.
 
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::client::ComputeClient;
 use cubecl::prelude::*;
+
+/// `tensor` contiguous and in `dtype` (copied or cast only when it is not already).
+pub fn contiguous_as<R: CubeRuntime>(tensor: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
+    let tensor = into_contiguous(tensor);
+    if tensor.dtype == dtype {
+        tensor
+    } else {
+        cast(tensor, dtype)
+    }
+}
 
 /// The buffer of a contiguous tensor as an array argument.
 pub fn array<R: CubeRuntime>(tensor: &CubeTensor<R>) -> ArrayArg<R> {
@@ -23,4 +37,10 @@ pub fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
         Shape::from(like.meta.shape().to_vec()),
         like.dtype,
     )
+}
+
+/// Cubes and units for a launch with one unit per item, `n` items.
+pub fn one_unit_each<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, CubeDim) {
+    let cube_dim = CubeDim::new(client, n);
+    (calculate_cube_count_elemwise(client, n, cube_dim), cube_dim)
 }

@@ -145,6 +145,12 @@ pub(crate) fn host_ordered(
     stream.synchronize().map_err(|e| e.to_string())
 }
 
+/// Whether the fused elementwise kernels take `x`: a plain (not quantized) f32, bf16 or f16
+/// tensor.
+fn elementwise_input(x: &CubeTensor<CudaRuntime>) -> bool {
+    matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16) && x.qparams.is_none()
+}
+
 /// The device address of a Burn buffer, `None` when CubeCL cannot resolve it.
 pub(crate) fn address(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
     client
@@ -389,8 +395,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
     }
 
     fn fused_unary(op: UnaryOp, x: &CubeTensor<CudaRuntime>) -> Option<CubeTensor<CudaRuntime>> {
-        let float = matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16);
-        (float && x.qparams.is_none()).then(|| crate::unary_kernel::unary(op, x.clone()))
+        elementwise_input(x).then(|| crate::unary_kernel::unary(op, x.clone()))
     }
 
     fn fused_unary_backward(
@@ -398,17 +403,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         x: &CubeTensor<CudaRuntime>,
         grad: CubeTensor<CudaRuntime>,
     ) -> CubeTensor<CudaRuntime> {
-        let grad = if grad.dtype == x.dtype {
-            grad
-        } else {
-            Self::float_cast(grad, x.dtype.into())
-        };
         crate::unary_kernel::unary_backward(op, x.clone(), grad)
     }
 
     fn fused_norm_rope(o: &NormRope<Self>) -> Option<CubeTensor<CudaRuntime>> {
-        let float = matches!(o.x.dtype, DType::F32 | DType::BF16 | DType::F16);
-        (float && o.x.qparams.is_none()).then(|| {
+        elementwise_input(&o.x).then(|| {
             crate::norm_rope_kernel::norm_rope(
                 o.x.clone(),
                 o.scale.clone(),

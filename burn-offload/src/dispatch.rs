@@ -1,7 +1,8 @@
 //! How the fused ops reach the inner backend. Models are generic over `Backend`, which has no op
 //! that autodiff forwards to the inner backend for them (Burn 0.21 decomposes attention under
 //! `Autodiff`, and has no GELU with the tanh approximation), so each entry point
-//! ([`attention`](crate::attention), [`gelu_tanh`](crate::gelu_tanh)) recognizes the
+//! ([`attention`](crate::attention), [`gelu_tanh`](crate::gelu_tanh),
+//! [`layer_norm`](crate::layer_norm), [`rms_norm_rope`](crate::rms_norm_rope)) recognizes the
 //! decorator's backend types by `TypeId` and runs its op on them, or returns `None` so that the
 //! caller computes the same thing from separate ops.
 
@@ -51,54 +52,95 @@ pub(crate) fn one_input_backward<T: StreamTarget, P: PrefetchPolicy, S>(
     }
 }
 
-/// Whether the environment variable `var` is `1`, `on` or `true`, read once into `cell`; says so
-/// in the log when it is.
-pub(crate) fn switched_on(var: &str, cell: &OnceLock<bool>, what: &str) -> bool {
-    *cell.get_or_init(|| {
-        let on = matches!(std::env::var(var).as_deref(), Ok("1" | "on" | "true"));
-        if on {
-            tracing::info!("{what} through fused kernels where they apply ({var}=1)");
-        }
-        on
-    })
+/// An opt-in switch: an environment variable read once; on when it is `1`, `on` or `true`.
+pub(crate) struct Switch {
+    var: &'static str,
+    /// What the switch sends through fused kernels, for the log.
+    what: &'static str,
+    on: OnceLock<bool>,
 }
 
-/// Fused elementwise ops run so far, in this process.
-static ELEMENTWISE_CALLS: AtomicU64 = AtomicU64::new(0);
+impl Switch {
+    const fn new(var: &'static str, what: &'static str) -> Self {
+        Self {
+            var,
+            what,
+            on: OnceLock::new(),
+        }
+    }
+
+    /// Whether the switch is on; says so in the log the first time, when it is.
+    pub(crate) fn on(&self) -> bool {
+        *self.on.get_or_init(|| {
+            let on = matches!(std::env::var(self.var).as_deref(), Ok("1" | "on" | "true"));
+            if on {
+                tracing::info!(
+                    "{} through fused kernels where they apply ({}=1)",
+                    self.what,
+                    self.var
+                );
+            }
+            on
+        })
+    }
+}
+
+/// The fused attention's switch.
+pub(crate) static FLASH: Switch = Switch::new("BURN_LORA_FLASH", "attention");
+/// The fused elementwise kernels' switch.
+pub(crate) static FUSED: Switch = Switch::new(
+    "BURN_LORA_FUSED",
+    "GELU, layer norm, and the q/k norm with the rotary embedding",
+);
+
+/// Fused results handed out so far, in this process.
+pub(crate) struct Calls(AtomicU64);
+
+impl Calls {
+    /// Counts `out` when it is a fused result, and passes it on.
+    pub(crate) fn count<T>(&self, out: Option<T>) -> Option<T> {
+        if out.is_some() {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+        out
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Attention calls the fused kernels computed.
+pub(crate) static ATTENTION_CALLS: Calls = Calls(AtomicU64::new(0));
+/// GELU, layer-norm and q/k norm-and-rotation calls the fused ops computed.
+pub(crate) static ELEMENTWISE_CALLS: Calls = Calls(AtomicU64::new(0));
+
+/// How many attention forward passes this process has run through a fused kernel (every
+/// other one ran as separate ops): lets a program check which path it measured.
+pub fn fused_attention_calls() -> u64 {
+    ATTENTION_CALLS.get()
+}
 
 /// How many GELU, layer-norm and q/k norm-and-rotation calls this process has run through a
 /// fused op (every other one ran as separate ops): lets a program check which path it measured.
 pub fn fused_elementwise_calls() -> u64 {
-    ELEMENTWISE_CALLS.load(Ordering::Relaxed)
-}
-
-/// Counts `out` in [`fused_elementwise_calls`] when it is a fused result, and passes it on.
-pub(crate) fn count_elementwise<T>(out: Option<T>) -> Option<T> {
-    if out.is_some() {
-        ELEMENTWISE_CALLS.fetch_add(1, Ordering::Relaxed);
-    }
-    out
-}
-
-/// Whether the fused elementwise kernels may run: `BURN_LORA_FUSED` is `1`, `on` or `true`.
-pub(crate) fn elementwise_on() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    switched_on(
-        "BURN_LORA_FUSED",
-        &ON,
-        "GELU, layer norm, and the q/k norm with the rotary embedding",
-    )
+    ELEMENTWISE_CALLS.get()
 }
 
 /// For the backend `$B`, tries the decorated types of each inner backend with fused kernels:
 /// `$tracked` runs on `Autodiff<Offload<T>>`, `$untracked` on `Offload<T>` (closures over the
-/// inputs seen as that type's tensors); on a match the enclosing function returns their result.
-/// `Flex` has no fused kernel and declines; it is listed so that the CPU tests run the dispatch.
+/// inputs seen as that type's tensors). The expression's value is their result on a match,
+/// `None` otherwise.
+/// `Flex` is listed so that the CPU tests run the dispatch (it has the elementwise ops as CPU
+/// kernels, and declines attention).
 macro_rules! dispatch_offload {
     ($B:ty, $inputs:expr, $tracked:expr, $untracked:expr) => {
-        $crate::dispatch::dispatch_offload!(@ $B, $inputs, $tracked, $untracked, burn::backend::Flex);
-        #[cfg(feature = "cuda")]
-        $crate::dispatch::dispatch_offload!(@ $B, $inputs, $tracked, $untracked, burn::backend::Cuda);
+        (|| {
+            $crate::dispatch::dispatch_offload!(@ $B, $inputs, $tracked, $untracked, burn::backend::Flex);
+            #[cfg(feature = "cuda")]
+            $crate::dispatch::dispatch_offload!(@ $B, $inputs, $tracked, $untracked, burn::backend::Cuda);
+            None
+        })()
     };
     (@ $B:ty, $inputs:expr, $tracked:expr, $untracked:expr, $inner:ty) => {
         if std::any::TypeId::of::<$B>()

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::tensor::{DType, Shape};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
@@ -93,12 +94,13 @@ impl Kernels {
             .map_err(|e| format!("{name}: {e}"))?;
             Ok(f)
         };
+        let backward_bytes = backward_shared(head_dim, stages);
         Ok(Self {
             forward: function("flash_forward", forward_shared(head_dim))?,
             delta: function("flash_backward_delta", 0)?,
-            backward: function("flash_backward", backward_shared(head_dim, stages))?,
+            backward: function("flash_backward", backward_bytes)?,
             dq: function("flash_backward_dq", 0)?,
-            backward_shared: backward_shared(head_dim, stages),
+            backward_shared: backward_bytes,
             ctx,
             stream,
         })
@@ -203,13 +205,10 @@ fn empty(
     shape: Vec<usize>,
     dtype: DType,
 ) -> CubeTensor<CudaRuntime> {
-    let shape = Shape::from(shape);
-    let handle = like.client.empty(shape.num_elements() * dtype.size());
-    CubeTensor::new_contiguous(
+    empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
-        shape,
-        handle,
+        Shape::from(shape),
         dtype,
     )
 }
@@ -241,9 +240,9 @@ pub(crate) fn forward(
     let (qp, kp, vp, op, lp) = (qp?, kp?, vp?, op?, lp?);
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let k = kernels.lock().unwrap();
-    let launched = host_ordered(client, &k.ctx, &k.stream, || {
-        let mut launch = k.stream.launch_builder(&k.forward);
+    let kernels = kernels.lock().unwrap();
+    let launched = host_ordered(client, &kernels.ctx, &kernels.stream, || {
+        let mut launch = kernels.stream.launch_builder(&kernels.forward);
         launch
             .arg(&qp)
             .arg(&kp)
@@ -329,20 +328,20 @@ pub(crate) fn backward(
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let k = kernels.lock().unwrap();
-    let done = host_ordered(client, &k.ctx, &k.stream, || {
+    let kernels = kernels.lock().unwrap();
+    let done = host_ordered(client, &kernels.ctx, &kernels.stream, || {
         // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
         unsafe {
             cudarc::driver::result::memset_d8_async(
                 accp,
                 0,
                 rows * head_dim * size_of::<f32>(),
-                k.stream.cu_stream(),
+                kernels.stream.cu_stream(),
             )
         }
         .map_err(|e| e.to_string())?;
         let rows_per_block = (THREADS / 32) as usize;
-        let mut launch = k.stream.launch_builder(&k.delta);
+        let mut launch = kernels.stream.launch_builder(&kernels.delta);
         launch
             .arg(&op)
             .arg(&gp)
@@ -360,7 +359,7 @@ pub(crate) fn backward(
             })
         }
         .map_err(|e| e.to_string())?;
-        let mut launch = k.stream.launch_builder(&k.backward);
+        let mut launch = kernels.stream.launch_builder(&kernels.backward);
         launch
             .arg(&qp)
             .arg(&kp)
@@ -386,11 +385,11 @@ pub(crate) fn backward(
             launch.launch(LaunchConfig {
                 grid_dim: (blocks(len_k), (batch * heads) as u32, 1),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: k.backward_shared as u32,
+                shared_mem_bytes: kernels.backward_shared as u32,
             })
         }
         .map_err(|e| e.to_string())?;
-        let mut launch = k.stream.launch_builder(&k.dq);
+        let mut launch = kernels.stream.launch_builder(&kernels.dq);
         launch.arg(&accp).arg(&dqp).arg(&elements);
         // SAFETY: the arguments match `flash_backward_dq`'s parameters.
         unsafe {

@@ -93,12 +93,12 @@ mod unary;
 mod unary_kernel;
 mod weight;
 
-pub use attention::{attention, fused_attention_calls};
+pub use attention::attention;
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 #[cfg(feature = "cuda")]
 pub use blas::cublas_products;
 pub use config::{OffloadConfig, WireFormat};
-pub use dispatch::fused_elementwise_calls;
+pub use dispatch::{fused_attention_calls, fused_elementwise_calls};
 pub use error::OffloadError;
 pub use norm_rope::{NormRope, rms_norm_rope};
 pub use policy::{Route, ScheduleOutcome};

@@ -16,7 +16,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{count_elementwise, dispatch_offload, elementwise_on, one_input_backward};
+use crate::dispatch::{ELEMENTWISE_CALLS, FUSED, dispatch_offload, one_input_backward};
 use crate::target::StreamTarget;
 
 /// The operands of one fused RMS norm and rotary embedding, in the inner backend's tensors.
@@ -49,8 +49,8 @@ pub fn rms_norm_rope<B: Backend>(
     sin: &Tensor<B, 2>,
     eps: f64,
 ) -> Option<Tensor<B, 4>> {
-    if elementwise_on() {
-        count_elementwise(fused(x, scale, cos, sin, eps))
+    if FUSED.on() {
+        ELEMENTWISE_CALLS.count(fused(x, scale, cos, sin, eps))
     } else {
         None
     }
@@ -73,8 +73,7 @@ fn fused<B: Backend>(
         [x, &scale, &cos, &sin],
         |operands| tracked(operands, eps),
         |operands| untracked(operands, eps)
-    );
-    None
+    )
 }
 
 fn untracked<T: StreamTarget>(

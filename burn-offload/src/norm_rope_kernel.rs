@@ -10,12 +10,11 @@
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, empty_like};
+use crate::cube_tensor::{array, contiguous_as, empty_like, one_unit_each};
 
 /// `1 / √(mean(x²) + eps)` of the row of `dim` values at `base`.
 #[cube]
@@ -69,8 +68,7 @@ fn norm_rope_kernel<F: Float>(
     let base = row * dim;
     let angles = (row % tokens) * dim;
     let inverse = inverse_rms(x, base, dim, eps);
-    for j in 0..dim / 2 {
-        let c = 2 * j;
+    for c in range_stepped(0, dim, 2) {
         let n0 = f32::cast_from(x[base + c]) * inverse * f32::cast_from(scale[c]);
         let n1 = f32::cast_from(x[base + c + 1]) * inverse * f32::cast_from(scale[c + 1]);
         let (co, si) = (cos[angles + c], sin[angles + c]);
@@ -103,14 +101,12 @@ fn norm_rope_backward_kernel<F: Float>(
     let angles = (row % tokens) * dim;
     let inverse = inverse_rms(x, base, dim, eps);
     let mut dot = 0.0f32;
-    for j in 0..dim / 2 {
-        let c = 2 * j;
+    for c in range_stepped(0, dim, 2) {
         let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
         dot += gn0 * f32::cast_from(x[base + c]) + gn1 * f32::cast_from(x[base + c + 1]);
     }
     let mean = dot * inverse / f32::cast_from(dim);
-    for j in 0..dim / 2 {
-        let c = 2 * j;
+    for c in range_stepped(0, dim, 2) {
         let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
         let n0 = f32::cast_from(x[base + c]) * inverse;
         let n1 = f32::cast_from(x[base + c + 1]) * inverse;
@@ -148,34 +144,20 @@ impl<R: CubeRuntime> Operands<R> {
                 "rotary table size"
             );
         }
-        let scale = if scale.dtype == x.dtype {
-            scale
-        } else {
-            cast(scale, x.dtype)
-        };
-        let f32_table = |t: CubeTensor<R>| {
-            if t.dtype == DType::F32 {
-                into_contiguous(t)
-            } else {
-                cast(into_contiguous(t), DType::F32)
-            }
-        };
         Self {
             rows: shape.iter().product::<usize>() / dim,
+            scale: contiguous_as(scale, x.dtype),
             x: into_contiguous(x),
-            scale: into_contiguous(scale),
-            cos: f32_table(cos),
-            sin: f32_table(sin),
+            cos: contiguous_as(cos, DType::F32),
+            sin: contiguous_as(sin, DType::F32),
             dim,
             tokens,
         }
     }
 
-    /// Threads per cube and cubes: one thread per row.
+    /// Cubes and units: one unit per row.
     fn launch_dims(&self) -> (CubeCount, CubeDim) {
-        let cube_dim = CubeDim::new(&self.x.client, self.rows);
-        let count = calculate_cube_count_elemwise(&self.x.client, self.rows, cube_dim);
-        (count, cube_dim)
+        one_unit_each(&self.x.client, self.rows)
     }
 }
 
@@ -221,11 +203,7 @@ pub fn norm_rope_backward<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     assert_eq!(x.meta.shape(), grad.meta.shape(), "gradient shape");
     let o = Operands::new(x, scale, cos, sin);
-    let grad = if grad.dtype == o.x.dtype {
-        into_contiguous(grad)
-    } else {
-        cast(into_contiguous(grad), o.x.dtype)
-    };
+    let grad = contiguous_as(grad, o.x.dtype);
     let dx = empty_like(&o.x);
     let (count, cube_dim) = o.launch_dims();
     norm_rope_backward_kernel::launch(

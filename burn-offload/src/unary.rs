@@ -15,8 +15,13 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::{Offload, OffloadTensor};
-use crate::dispatch::{count_elementwise, dispatch_offload, elementwise_on, one_input_backward};
+use crate::dispatch::{ELEMENTWISE_CALLS, FUSED, dispatch_offload, one_input_backward};
 use crate::target::StreamTarget;
+
+/// √(2/π), GELU's (tanh) scale.
+pub(crate) const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The cubic term's coefficient in GELU (tanh).
+pub(crate) const GELU_CUBIC: f32 = 0.044_715;
 
 /// A fused op of one tensor whose gradient needs only that tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,8 +51,8 @@ pub fn layer_norm<B: Backend, const D: usize>(x: &Tensor<B, D>, eps: f64) -> Opt
 
 /// `op` on `x` through the fused kernel, when switched on.
 fn unary<B: Backend, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Tensor<B, D>> {
-    if elementwise_on() {
-        count_elementwise(fused(op, x))
+    if FUSED.on() {
+        ELEMENTWISE_CALLS.count(fused(op, x))
     } else {
         None
     }
@@ -55,8 +60,7 @@ fn unary<B: Backend, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Te
 
 /// [`unary`] whatever the switch says.
 fn fused<B: Backend, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Tensor<B, D>> {
-    dispatch_offload!(B, [x], |[x]| tracked(op, x), |[x]| untracked(op, x));
-    None
+    dispatch_offload!(B, [x], |[x]| tracked(op, x), |[x]| untracked(op, x))
 }
 
 fn untracked<T: StreamTarget, const D: usize>(

@@ -17,16 +17,10 @@
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, empty_like};
-use crate::unary::UnaryOp;
-
-/// √(2/π).
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-/// The cubic term's coefficient.
-const CUBIC: f32 = 0.044_715;
+use crate::cube_tensor::{array, contiguous_as, empty_like, one_unit_each};
+use crate::unary::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
 
 #[cube(launch)]
 fn gelu_tanh_kernel<F: Float>(x: &Array<F>, y: &mut Array<F>, #[define(F)] _dtype: StorageType) {
@@ -94,18 +88,14 @@ fn row_statistics<F: Float>(
 ) -> (f32, f32) {
     let unit = UNIT_POS_X as usize;
     let mut sum = 0.0f32;
-    let mut c = unit;
-    while c < dim {
+    for c in range_stepped(unit, dim, ROW_UNITS) {
         sum += f32::cast_from(x[base + c]);
-        c += ROW_UNITS;
     }
     let mean = cube_sum(shared, sum) / f32::cast_from(dim);
     let mut squares = 0.0f32;
-    c = unit;
-    while c < dim {
+    for c in range_stepped(unit, dim, ROW_UNITS) {
         let v = f32::cast_from(x[base + c]) - mean;
         squares += v * v;
-        c += ROW_UNITS;
     }
     let variance = cube_sum(shared, squares) / f32::cast_from(dim);
     (mean, 1.0f32 / f32::sqrt(variance + eps))
@@ -122,10 +112,8 @@ fn layer_norm_kernel<F: Float>(
     let base = CUBE_POS_X as usize * dim;
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS);
     let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps);
-    let mut c = UNIT_POS_X as usize;
-    while c < dim {
+    for c in range_stepped(UNIT_POS_X as usize, dim, ROW_UNITS) {
         y[base + c] = F::cast_from((f32::cast_from(x[base + c]) - mean) * inverse);
-        c += ROW_UNITS;
     }
 }
 
@@ -145,41 +133,39 @@ fn layer_norm_backward_kernel<F: Float>(
     let unit = UNIT_POS_X as usize;
     let mut sum = 0.0f32;
     let mut dot = 0.0f32;
-    let mut c = unit;
-    while c < dim {
+    for c in range_stepped(unit, dim, ROW_UNITS) {
         let g = f32::cast_from(grad[base + c]);
         sum += g;
         dot += g * (f32::cast_from(x[base + c]) - mean) * inverse;
-        c += ROW_UNITS;
     }
     let grad_mean = cube_sum(&mut shared, sum) / f32::cast_from(dim);
     let dot_mean = cube_sum(&mut shared, dot) / f32::cast_from(dim);
-    c = unit;
-    while c < dim {
+    for c in range_stepped(unit, dim, ROW_UNITS) {
         let n = (f32::cast_from(x[base + c]) - mean) * inverse;
         let g = f32::cast_from(grad[base + c]);
         dx[base + c] = F::cast_from(inverse * (g - grad_mean - n * dot_mean));
-        c += ROW_UNITS;
     }
 }
 
 /// `op` on the float tensor `x` (made contiguous first when it is a strided view).
 pub fn unary<R: CubeRuntime>(op: UnaryOp, x: CubeTensor<R>) -> CubeTensor<R> {
+    let x = into_contiguous(x);
     match op {
         UnaryOp::GeluTanh => gelu_tanh(x),
         UnaryOp::LayerNorm { eps } => layer_norm(x, eps),
     }
 }
 
-/// The gradient of `x` given `grad`, the gradient of `op` on `x` (same shape).
+/// The gradient of `x` given `grad`, the gradient of `op` on `x` (same shape; cast to `x`'s
+/// dtype when it differs).
 pub fn unary_backward<R: CubeRuntime>(
     op: UnaryOp,
     x: CubeTensor<R>,
     grad: CubeTensor<R>,
 ) -> CubeTensor<R> {
     assert_eq!(x.meta.shape(), grad.meta.shape(), "gradient shape");
-    assert_eq!(x.dtype, grad.dtype, "gradient dtype");
-    let (x, grad) = (into_contiguous(x), into_contiguous(grad));
+    let x = into_contiguous(x);
+    let grad = contiguous_as(grad, x.dtype);
     match op {
         UnaryOp::GeluTanh => gelu_tanh_backward(x, grad),
         UnaryOp::LayerNorm { eps } => layer_norm_backward(x, grad, eps),
@@ -194,7 +180,6 @@ fn rows<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
 }
 
 fn layer_norm<R: CubeRuntime>(x: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
-    let x = into_contiguous(x);
     let y = empty_like(&x);
     let (rows, dim) = rows(&x);
     layer_norm_kernel::launch(
@@ -232,11 +217,8 @@ fn layer_norm_backward<R: CubeRuntime>(
 }
 
 fn gelu_tanh<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
-    let x = into_contiguous(x);
     let out = empty_like(&x);
-    let n = x.meta.shape().num_elements();
-    let cube_dim = CubeDim::new(&x.client, n);
-    let cube_count = calculate_cube_count_elemwise(&x.client, n, cube_dim);
+    let (cube_count, cube_dim) = one_unit_each(&x.client, x.meta.shape().num_elements());
     gelu_tanh_kernel::launch(
         &x.client,
         cube_count,
@@ -250,9 +232,7 @@ fn gelu_tanh<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
 
 fn gelu_tanh_backward<R: CubeRuntime>(x: CubeTensor<R>, grad: CubeTensor<R>) -> CubeTensor<R> {
     let out = empty_like(&x);
-    let n = x.meta.shape().num_elements();
-    let cube_dim = CubeDim::new(&x.client, n);
-    let cube_count = calculate_cube_count_elemwise(&x.client, n, cube_dim);
+    let (cube_count, cube_dim) = one_unit_each(&x.client, x.meta.shape().num_elements());
     gelu_tanh_backward_kernel::launch(
         &x.client,
         cube_count,

@@ -26,6 +26,17 @@ pub struct Precision {
     pub compute: DType,
 }
 
+impl Precision {
+    /// The dtype sums and softmaxes run in: f64 for a float64 reference, f32 otherwise.
+    pub fn wide(self) -> DType {
+        if self.compute == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+}
+
 /// The inputs `seed` names, rounded to `precision.input`, held in `precision.compute`.
 pub fn input<B: Backend, const D: usize>(
     shape: [usize; D],

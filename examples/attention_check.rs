@@ -5,8 +5,8 @@
 //! forward + backward, with the fused path as the switch sets it.
 //!
 //! ```text
-//! BURN_LORA_FLASH=1 BURN_LORA_BLAS=all cargo run --release --features cuda --example attention_check
-//! cargo run --release --features cuda --example attention_check   # timing of the separate ops
+//! BURN_LORA_BLAS=all cargo run --release --features cuda --example attention_check
+//! BURN_LORA_FLASH=0 cargo run --release --features cuda --example attention_check   # timing of the separate ops
 //! ```
 //!
 //! With `BURN_LORA_BLAS=all` the separate ops' products of the small cases go through cuBLAS
@@ -107,10 +107,6 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let device = Default::default();
-    let fused_on = matches!(
-        std::env::var("BURN_LORA_FLASH").as_deref(),
-        Ok("1" | "on" | "true")
-    );
     let mut failed = false;
     let bf16 = Precision {
         input: DType::BF16,
@@ -120,6 +116,7 @@ fn main() {
     // FLUX.1 at 1024²: 24 heads of 128 over 4096 + 512 tokens.
     eprintln!("[{:7.1} s] timing at FLUX size", clock());
     let shape = [1, 24, 4608, 128];
+    let calls = fused_attention_calls();
     let [q, k, v] = [5, 6, 7].map(|seed| input::<Fused, 4>(shape, seed, bf16, &device));
     let forward = time::<Fused>(&device, 2, 10, || {
         drop(sdpa(q.clone(), k.clone(), v.clone()));
@@ -130,6 +127,7 @@ fn main() {
         drop(out.sum().backward());
     });
     let flop = 4.0 * 24.0 * 4608.0 * 4608.0 * 128.0;
+    let fused_on = fused_attention_calls() > calls;
     let path = if fused_on { "fused" } else { "separate ops" };
     println!("== attention [1, 24, 4608, 128] bf16 on Autodiff<Offload<Cuda>>, {path}");
     println!(

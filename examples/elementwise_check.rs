@@ -5,7 +5,7 @@
 //! norms and the rotation compute in f32 inside, as written).
 //!
 //! ```text
-//! BURN_LORA_FUSED=1 cargo run --release --features cuda --example elementwise_check
+//! cargo run --release --features cuda --example elementwise_check
 //! ```
 //!
 //! A case passes when the fused result is no further from the reference than the separate ops'
@@ -92,7 +92,7 @@ fn main() {
         let before = fused_elementwise_calls();
         let fused = run::<Fused>(op, shape, bf16, &device);
         if fused_elementwise_calls() == before {
-            eprintln!("{op:?} {shape:?}: the fused op did not run (BURN_LORA_FUSED=1?)");
+            eprintln!("{op:?} {shape:?}: the fused op did not run (BURN_LORA_FUSED=0?)");
             failed = true;
         }
         let separate = run::<Autodiff<Cuda>>(op, shape, bf16, &device);

@@ -3,8 +3,8 @@
 //! with the device's peak memory.
 //!
 //! The model runs on `Autodiff<Offload<Cuda>>`, as the trainer's does: its matrix products go
-//! to cuBLAS unless `BURN_LORA_BLAS=0`, its attention to the fused kernels with
-//! `BURN_LORA_FLASH=1`. With `--stream-budget-gb X` its frozen weights move to
+//! to cuBLAS unless `BURN_LORA_BLAS=0`, its attention and elementwise ops to the
+//! fused kernels unless `BURN_LORA_FLASH=0` / `BURN_LORA_FUSED=0`. With `--stream-budget-gb X` its frozen weights move to
 //! page-locked host memory and stream through burn-offload's ring, all but those that fit in an
 //! X GB VRAM budget (`--wire e5m2` sends them as FP8); without it they stay resident.
 //!

@@ -52,7 +52,7 @@ pub(crate) fn one_input_backward<T: StreamTarget, P: PrefetchPolicy, S>(
     }
 }
 
-/// An opt-in switch: an environment variable read once; on when it is `1`, `on` or `true`.
+/// A switch read once from an environment variable: on unless it is `0`, `off` or `false`.
 pub(crate) struct Switch {
     var: &'static str,
     /// What the switch sends through fused kernels, for the log.
@@ -69,18 +69,23 @@ impl Switch {
         }
     }
 
-    /// Whether the switch is on; says so in the log the first time, when it is.
+    /// Whether the switch is on; says which way in the log the first time.
     pub(crate) fn on(&self) -> bool {
         *self.on.get_or_init(|| {
-            let on = matches!(std::env::var(self.var).as_deref(), Ok("1" | "on" | "true"));
-            if on {
+            let off = matches!(
+                std::env::var(self.var).as_deref(),
+                Ok("0" | "off" | "false")
+            );
+            if off {
+                tracing::info!("{}: separate ops ({}=0)", self.what, self.var);
+            } else {
                 tracing::info!(
-                    "{} through fused kernels where they apply ({}=1)",
+                    "{}: fused kernels where they apply ({}=0 turns them off)",
                     self.what,
                     self.var
                 );
             }
-            on
+            !off
         })
     }
 }

@@ -21,8 +21,8 @@
 //!   memory, asynchronous copies on the loader's own CUDA stream into slots that Burn owns,
 //!   FP8 payloads dequantized on the device by burn-quant's kernel, and matrix products
 //!   (`float_matmul` and the linear ops, transposed and batched views included) run by cuBLAS
-//!   unless `BURN_LORA_BLAS=0`, and, with `BURN_LORA_FLASH=1`, fused attention kernels behind
-//!   [`attention`].
+//!   unless `BURN_LORA_BLAS=0`, and fused attention kernels behind [`attention`] unless
+//!   `BURN_LORA_FLASH=0`.
 //!
 //! # Example
 //! ```

@@ -4,7 +4,7 @@
 //! `Offload<B>` when the backend has one, and returns `None` otherwise, so that the caller
 //! computes the norm and the rotation from separate ops.
 //!
-//! Opt-in: `BURN_LORA_FUSED=1` (or `on`, `true`), until the GPU measurements show it faster.
+//! On unless `BURN_LORA_FUSED=0` (or `off`, `false`).
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;

@@ -3,7 +3,7 @@
 //! op on `Autodiff<Offload<B>>` or `Offload<B>` when the backend has one, and return `None`
 //! otherwise, so that the caller computes the same from separate ops.
 //!
-//! Opt-in: `BURN_LORA_FUSED=1` (or `on`, `true`), until the GPU measurements show it faster.
+//! On unless `BURN_LORA_FUSED=0` (or `off`, `false`).
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;

@@ -4,7 +4,7 @@ use burn::tensor::{Tensor, backend::Backend};
 
 /// GELU with the tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`
 /// (PyTorch's `gelu(approximate="tanh")`): one fused kernel each way where
-/// [`burn_offload::gelu_tanh`] has one (switched on by `BURN_LORA_FUSED=1`), elsewhere separate
+/// [`burn_offload::gelu_tanh`] has one (unless `BURN_LORA_FUSED=0`), elsewhere separate
 /// ops, with `x³` as two products so that it is exact for negative inputs on every backend.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     if let Some(y) = burn_offload::gelu_tanh(&x) {

@@ -3,8 +3,8 @@
 use burn::tensor::{DType, Tensor, backend::Backend};
 
 /// Layer norm without learned parameters: `(x - mean) / √(var + eps)` (biased variance); one
-/// fused kernel each way where [`burn_offload::layer_norm`] has one (switched on by
-/// `BURN_LORA_FUSED=1`), elsewhere separate ops.
+/// fused kernel each way where [`burn_offload::layer_norm`] has one (unless
+/// `BURN_LORA_FUSED=0`), elsewhere separate ops.
 pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
     if let Some(y) = burn_offload::layer_norm(&x, eps) {
         return y;

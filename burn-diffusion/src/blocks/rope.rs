@@ -70,8 +70,8 @@ impl<B: Backend> Rope<B> {
     }
 
     /// [`rms_norm`] of every head (`scale` `[head_dim]`), then [`apply`](Self::apply): one fused
-    /// kernel each way where [`burn_offload::rms_norm_rope`] has one (switched on by
-    /// `BURN_LORA_FUSED=1`; it rounds once, where the separate ops round the normalized value
+    /// kernel each way where [`burn_offload::rms_norm_rope`] has one (unless
+    /// `BURN_LORA_FUSED=0`; it rounds once, where the separate ops round the normalized value
     /// and the scaled one too), elsewhere the two as written.
     ///
     /// # Shapes

@@ -1,6 +1,6 @@
 //! What the CubeCL kernels' launches share: operands made contiguous in the dtype a kernel
-//! reads, their buffers as array arguments, fresh outputs, and the launch size for one unit per
-//! element.
+//! reads, their buffers as array arguments (of values or of vectors), fresh outputs, and the
+//! launch size for one unit per item.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -23,10 +23,23 @@ pub fn contiguous_as<R: CubeRuntime>(tensor: CubeTensor<R>, dtype: DType) -> Cub
 
 /// The buffer of a contiguous tensor as an array argument.
 pub fn array<R: CubeRuntime>(tensor: &CubeTensor<R>) -> ArrayArg<R> {
-    let len = tensor.meta.shape().num_elements();
-    // SAFETY: a contiguous tensor's handle starts at its first element and holds `len` of them;
-    // every caller passes a tensor `into_contiguous` returned or one it allocated.
-    unsafe { ArrayArg::from_raw_parts(tensor.handle.clone(), len) }
+    vector_array(tensor, 1)
+}
+
+/// The buffer of a contiguous tensor as an array of vectors of `width` values, for a kernel
+/// launched with vector size `width`; `width` must divide the tensor's size.
+pub fn vector_array<R: CubeRuntime>(tensor: &CubeTensor<R>, width: usize) -> ArrayArg<R> {
+    let elements = tensor.meta.shape().num_elements();
+    assert!(
+        width > 0 && elements.is_multiple_of(width),
+        "vectors of {width} do not tile {elements} values"
+    );
+    // SAFETY: a contiguous tensor's handle starts at its first element and holds `elements` of
+    // them; every caller passes a tensor `into_contiguous` returned or one it allocated. The
+    // length is in values (the launch divides it by the vector size). A handle starts at a
+    // multiple of the runtime's memory alignment (burn-cubecl's slices copy otherwise), which
+    // is a multiple of any vector's size.
+    unsafe { ArrayArg::from_raw_parts(tensor.handle.clone(), elements) }
 }
 
 /// A new contiguous tensor shaped and typed like `like`.

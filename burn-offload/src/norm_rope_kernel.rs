@@ -5,113 +5,230 @@
 //! input's dtype. As separate ops that is about fourteen passes forward. The mechanism behind
 //! [`rms_norm_rope`](crate::rms_norm_rope); tested on wgpu (f32), run on CUDA (bf16).
 //!
-//! One thread per row: a row is 64 or 128 values, so a block's rows stay in its cache between
-//! the two passes over them.
+//! Each unit holds `width` consecutive values of a row, loaded and stored as one vector:
+//! `width` is the widest vector the runtime loads in one access for the dtype (16 bytes: 8 bf16
+//! values on CUDA, 4 f32 values) that is even and divides the row, so that a unit holds whole
+//! pairs. A row's `dim / width` units sit side by side along the cube's x axis, so that
+//! neighbouring units touch neighbouring vectors, and a cube stacks as many rows along its y
+//! axis as fit in [`CUBE_UNITS`] units (16 rows of 128 bf16 values). Rows go to cubes token by
+//! token (every head of every batch entry at one token, then the next token's), so that a
+//! cube's rows read the `cos` and `sin` rows of few tokens (one or two for 24 heads): each unit
+//! reads the even lane's entry of each of its pairs, and the cube's other rows of the same token
+//! find it in cache. A row's sums go through
+//! shared memory: every unit stores its partial sum, and after one barrier adds up its row's
+//! partials in the same order, so that the row's units agree on the sum. Slots past the last
+//! row (in the last cube, or in cubes added to fit the runtime's grid) compute on the last row,
+//! so that they reach the barrier, and store nothing.
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::client::ComputeClient;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, contiguous_as, empty_like, one_unit_each};
+use crate::cube_tensor::{array, contiguous_as, empty_like, vector_array};
 
-/// `1 / √(mean(x²) + eps)` of the row of `dim` values at `base`.
+/// Units per cube at most: a cube holds as many whole rows as fit.
+pub const CUBE_UNITS: usize = 256;
+
+/// Which row the unit works on (its slot's row, or the last row for a spare slot), that row's
+/// token, and whether the slot holds a row. Slots run token by token: slot `s` is head
+/// `s mod heads` of token `s / heads`.
 #[cube]
-fn inverse_rms<F: Float>(x: &Array<F>, base: usize, dim: usize, eps: f32) -> f32 {
-    let mut squares = 0.0f32;
-    for c in 0..dim {
-        let v = f32::cast_from(x[base + c]);
-        squares += v * v;
-    }
-    1.0f32 / f32::sqrt(squares / f32::cast_from(dim) + eps)
+fn unit_row(rows: usize, tokens: usize) -> (usize, usize, bool) {
+    let slot = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
+    let active = slot < rows;
+    let slot = slot.min(rows - 1);
+    let heads = rows / tokens;
+    let token = slot / heads;
+    ((slot % heads) * tokens + token, token, active)
 }
 
-/// The gradient of lanes `c` and `c + 1` turned back by their angle (the rotation's
-/// transpose), times the scale: the gradient of the scaled normalized pair.
+/// The sum of `value` over the `group` units of the unit's row (the units of one y position),
+/// through `shared` (one entry per unit of the cube, written once: each sum takes its own).
 #[cube]
-fn turned_back<F: Float>(
-    grad: &Array<F>,
-    scale: &Array<F>,
-    cos: &Array<f32>,
-    sin: &Array<f32>,
-    base: usize,
-    angles: usize,
-    c: usize,
-) -> (f32, f32) {
-    let (co, si) = (cos[angles + c], sin[angles + c]);
-    let g0 = f32::cast_from(grad[base + c]);
-    let g1 = f32::cast_from(grad[base + c + 1]);
-    (
-        (g0 * co + g1 * si) * f32::cast_from(scale[c]),
-        (g1 * co - g0 * si) * f32::cast_from(scale[c + 1]),
-    )
+fn row_sum(shared: &mut SharedMemory<f32>, value: f32, #[comptime] group: usize) -> f32 {
+    let first = UNIT_POS_Y as usize * group;
+    shared[first + UNIT_POS_X as usize] = value;
+    sync_cube();
+    let mut total = 0.0f32;
+    for j in 0..group {
+        total += shared[first + j];
+    }
+    total
 }
 
 #[cube(launch)]
-fn norm_rope_kernel<F: Float>(
-    x: &Array<F>,
-    scale: &Array<F>,
+fn norm_rope_kernel<F: Float, N: Size>(
+    x: &Array<Vector<F, N>>,
+    scale: &Array<Vector<F, N>>,
     cos: &Array<f32>,
     sin: &Array<f32>,
-    out: &mut Array<F>,
+    out: &mut Array<Vector<F, N>>,
     rows: usize,
-    dim: usize,
     tokens: usize,
     eps: f32,
+    #[comptime] dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = ABSOLUTE_POS;
-    if row >= rows {
-        terminate!();
+    let width = N::value();
+    let group = comptime!(dim / width);
+    let pairs = comptime!(width / 2);
+    let unit = UNIT_POS_X as usize;
+    let (row, token, active) = unit_row(rows, tokens);
+    let at = row * group + unit;
+    let angles = token * dim + unit * width;
+    let values = x[at];
+    let weights = scale[unit];
+    let mut squares = 0.0f32;
+    #[unroll]
+    for k in 0..width {
+        let v = f32::cast_from(values[k]);
+        squares += v * v;
     }
-    let base = row * dim;
-    let angles = (row % tokens) * dim;
-    let inverse = inverse_rms(x, base, dim, eps);
-    for c in range_stepped(0, dim, 2) {
-        let n0 = f32::cast_from(x[base + c]) * inverse * f32::cast_from(scale[c]);
-        let n1 = f32::cast_from(x[base + c + 1]) * inverse * f32::cast_from(scale[c + 1]);
-        let (co, si) = (cos[angles + c], sin[angles + c]);
-        out[base + c] = F::cast_from(n0 * co - n1 * si);
-        out[base + c + 1] = F::cast_from(n1 * co + n0 * si);
+    let mut shared = SharedMemory::<f32>::new(CUBE_UNITS);
+    let total = row_sum(&mut shared, squares, group);
+    let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(dim) + eps);
+    let mut turned = values;
+    #[unroll]
+    for p in 0..pairs {
+        let c = 2 * p;
+        let n0 = f32::cast_from(values[c]) * inverse * f32::cast_from(weights[c]);
+        let n1 = f32::cast_from(values[c + 1]) * inverse * f32::cast_from(weights[c + 1]);
+        let co = cos[angles + c];
+        let si = sin[angles + c];
+        turned[c] = F::cast_from(n0 * co - n1 * si);
+        turned[c + 1] = F::cast_from(n1 * co + n0 * si);
     }
+    if active {
+        out[at] = turned;
+    }
+}
+
+/// The gradient of lanes `c` and `c + 1` of `grad` turned back by their angle (`cos[angle]`,
+/// `sin[angle]`; the rotation's transpose), times the scale (`weights`): the gradient of the
+/// scaled normalized pair.
+#[cube]
+fn turned_back<F: Float, N: Size>(
+    grad: Vector<F, N>,
+    weights: Vector<F, N>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    angle: usize,
+    #[comptime] c: usize,
+) -> (f32, f32) {
+    let co = cos[angle];
+    let si = sin[angle];
+    let g0 = f32::cast_from(grad[c]);
+    let g1 = f32::cast_from(grad[c + 1]);
+    (
+        (g0 * co + g1 * si) * f32::cast_from(weights[c]),
+        (g1 * co - g0 * si) * f32::cast_from(weights[c + 1]),
+    )
 }
 
 /// `dx = inverse · (g − x · inverse · mean(g ∘ x · inverse))`, where `g` is the output's
 /// gradient turned back by the token's angles and multiplied by the scale.
 #[cube(launch)]
-fn norm_rope_backward_kernel<F: Float>(
-    x: &Array<F>,
-    scale: &Array<F>,
+fn norm_rope_backward_kernel<F: Float, N: Size>(
+    x: &Array<Vector<F, N>>,
+    scale: &Array<Vector<F, N>>,
     cos: &Array<f32>,
     sin: &Array<f32>,
-    grad: &Array<F>,
-    dx: &mut Array<F>,
+    grad: &Array<Vector<F, N>>,
+    dx: &mut Array<Vector<F, N>>,
     rows: usize,
-    dim: usize,
     tokens: usize,
     eps: f32,
+    #[comptime] dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = ABSOLUTE_POS;
-    if row >= rows {
-        terminate!();
-    }
-    let base = row * dim;
-    let angles = (row % tokens) * dim;
-    let inverse = inverse_rms(x, base, dim, eps);
+    let width = N::value();
+    let group = comptime!(dim / width);
+    let pairs = comptime!(width / 2);
+    let unit = UNIT_POS_X as usize;
+    let (row, token, active) = unit_row(rows, tokens);
+    let at = row * group + unit;
+    let angles = token * dim + unit * width;
+    let values = x[at];
+    let gradient = grad[at];
+    let weights = scale[unit];
+    let mut squares = 0.0f32;
     let mut dot = 0.0f32;
-    for c in range_stepped(0, dim, 2) {
-        let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
-        dot += gn0 * f32::cast_from(x[base + c]) + gn1 * f32::cast_from(x[base + c + 1]);
+    #[unroll]
+    for p in 0..pairs {
+        let c = 2 * p;
+        let (gn0, gn1) = turned_back(gradient, weights, cos, sin, angles + c, c);
+        let v0 = f32::cast_from(values[c]);
+        let v1 = f32::cast_from(values[c + 1]);
+        squares += v0 * v0 + v1 * v1;
+        dot += gn0 * v0 + gn1 * v1;
     }
-    let mean = dot * inverse / f32::cast_from(dim);
-    for c in range_stepped(0, dim, 2) {
-        let (gn0, gn1) = turned_back(grad, scale, cos, sin, base, angles, c);
-        let n0 = f32::cast_from(x[base + c]) * inverse;
-        let n1 = f32::cast_from(x[base + c + 1]) * inverse;
-        dx[base + c] = F::cast_from(inverse * (gn0 - n0 * mean));
-        dx[base + c + 1] = F::cast_from(inverse * (gn1 - n1 * mean));
+    let mut shared_squares = SharedMemory::<f32>::new(CUBE_UNITS);
+    let mut shared_dot = SharedMemory::<f32>::new(CUBE_UNITS);
+    let inverse = 1.0f32
+        / f32::sqrt(row_sum(&mut shared_squares, squares, group) / f32::cast_from(dim) + eps);
+    let mean = row_sum(&mut shared_dot, dot, group) * inverse / f32::cast_from(dim);
+    let mut result = values;
+    #[unroll]
+    for p in 0..pairs {
+        let c = 2 * p;
+        let (gn0, gn1) = turned_back(gradient, weights, cos, sin, angles + c, c);
+        let n0 = f32::cast_from(values[c]) * inverse;
+        let n1 = f32::cast_from(values[c + 1]) * inverse;
+        result[c] = F::cast_from(inverse * (gn0 - n0 * mean));
+        result[c + 1] = F::cast_from(inverse * (gn1 - n1 * mean));
+    }
+    if active {
+        dx[at] = result;
+    }
+}
+
+/// How a launch lays rows on units and cubes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Geometry {
+    /// Values per unit, loaded as one vector: even, and a divisor of the row.
+    width: usize,
+    /// Units per row, `dim / width`.
+    group: usize,
+    /// Rows per cube.
+    rows_per_cube: usize,
+}
+
+impl Geometry {
+    /// The widest vector `client` loads in one access for `dtype` that is even and divides
+    /// `dim`, and as many rows per cube as fit in [`CUBE_UNITS`] units.
+    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, dim: usize) -> Self {
+        let width = client
+            .io_optimized_vector_sizes(dtype.size())
+            .filter(|&w| w % 2 == 0 && dim.is_multiple_of(w))
+            .max()
+            .unwrap_or_else(|| panic!("no vector of whole pairs divides a row of {dim}"));
+        let group = dim / width;
+        assert!(
+            group <= CUBE_UNITS,
+            "a row of {dim} needs {group} units of {width} values, more than a cube's {CUBE_UNITS}"
+        );
+        Self {
+            width,
+            group,
+            rows_per_cube: CUBE_UNITS / group,
+        }
+    }
+
+    /// Cubes and units for `rows` rows.
+    fn launch_dims<R: CubeRuntime>(
+        &self,
+        client: &ComputeClient<R>,
+        rows: usize,
+    ) -> (CubeCount, CubeDim) {
+        let cube_dim = CubeDim::new_2d(self.group as u32, self.rows_per_cube as u32);
+        (
+            calculate_cube_count_elemwise(client, rows * self.group, cube_dim),
+            cube_dim,
+        )
     }
 }
 
@@ -124,6 +241,7 @@ struct Operands<R: CubeRuntime> {
     rows: usize,
     dim: usize,
     tokens: usize,
+    geometry: Geometry,
 }
 
 impl<R: CubeRuntime> Operands<R> {
@@ -133,7 +251,7 @@ impl<R: CubeRuntime> Operands<R> {
         let shape = x.meta.shape().to_vec();
         let (tokens, dim) = (shape[shape.len() - 2], shape[shape.len() - 1]);
         assert!(
-            dim % 2 == 0,
+            dim > 0 && dim % 2 == 0,
             "rotary pairs need an even head size, got {dim}"
         );
         assert_eq!(scale.meta.shape().num_elements(), dim, "norm scale size");
@@ -144,6 +262,7 @@ impl<R: CubeRuntime> Operands<R> {
                 "rotary table size"
             );
         }
+        let geometry = Geometry::new(&x.client, x.dtype, dim);
         Self {
             rows: shape.iter().product::<usize>() / dim,
             scale: contiguous_as(scale, x.dtype),
@@ -152,12 +271,18 @@ impl<R: CubeRuntime> Operands<R> {
             sin: contiguous_as(sin, DType::F32),
             dim,
             tokens,
+            geometry,
         }
     }
 
-    /// Cubes and units: one unit per row.
+    /// Cubes and units for the call's rows.
     fn launch_dims(&self) -> (CubeCount, CubeDim) {
-        one_unit_each(&self.x.client, self.rows)
+        self.geometry.launch_dims(&self.x.client, self.rows)
+    }
+
+    /// A tensor of `x`'s size as an array of vectors of the geometry's width.
+    fn vectors(&self, tensor: &CubeTensor<R>) -> ArrayArg<R> {
+        vector_array(tensor, self.geometry.width)
     }
 }
 
@@ -172,20 +297,24 @@ pub fn norm_rope<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let o = Operands::new(x, scale, cos, sin);
     let out = empty_like(&o.x);
+    if o.rows == 0 {
+        return out;
+    }
     let (count, cube_dim) = o.launch_dims();
     norm_rope_kernel::launch(
         &o.x.client,
         count,
         cube_dim,
-        array(&o.x),
-        array(&o.scale),
+        o.geometry.width,
+        o.vectors(&o.x),
+        o.vectors(&o.scale),
         array(&o.cos),
         array(&o.sin),
-        array(&out),
+        o.vectors(&out),
         o.rows,
-        o.dim,
         o.tokens,
         eps,
+        o.dim,
         o.x.dtype.into(),
     );
     out
@@ -205,21 +334,25 @@ pub fn norm_rope_backward<R: CubeRuntime>(
     let o = Operands::new(x, scale, cos, sin);
     let grad = contiguous_as(grad, o.x.dtype);
     let dx = empty_like(&o.x);
+    if o.rows == 0 {
+        return dx;
+    }
     let (count, cube_dim) = o.launch_dims();
     norm_rope_backward_kernel::launch(
         &o.x.client,
         count,
         cube_dim,
-        array(&o.x),
-        array(&o.scale),
+        o.geometry.width,
+        o.vectors(&o.x),
+        o.vectors(&o.scale),
         array(&o.cos),
         array(&o.sin),
-        array(&grad),
-        array(&dx),
+        o.vectors(&grad),
+        o.vectors(&dx),
         o.rows,
-        o.dim,
         o.tokens,
         eps,
+        o.dim,
         o.x.dtype.into(),
     );
     dx
@@ -258,14 +391,15 @@ mod tests {
         )))
     }
 
-    /// The kernels on a strided view (made contiguous first) against the formula in f64, and
-    /// the gradient of `Σ grad ∘ out` against its central differences.
-    #[test]
-    fn forward_and_gradient_match_float64() {
+    /// The kernels on a strided view of `[batch, heads, tokens, dim]` (made contiguous first)
+    /// against the formula in f64, and the gradient of `Σ grad ∘ out` against its central
+    /// differences; returns the launch's geometry.
+    fn check(batch: usize, heads: usize, tokens: usize, dim: usize) -> Geometry {
         let device = Default::default();
-        let (heads, tokens, dim, eps) = (3, 5, 8, 1e-6);
+        let eps = 1e-6;
         let normal = Distribution::Normal(0.0, 1.5);
-        let x = Tensor::<Wgpu, 4>::random([1, tokens, heads, dim], normal, &device).swap_dims(1, 2);
+        let x =
+            Tensor::<Wgpu, 4>::random([batch, tokens, heads, dim], normal, &device).swap_dims(1, 2);
         let scale = Tensor::<Wgpu, 1>::random([dim], Distribution::Uniform(0.5, 1.5), &device);
         let angles =
             Tensor::<Wgpu, 2>::random([tokens, dim / 2], Distribution::Uniform(-3.0, 3.0), &device)
@@ -274,7 +408,7 @@ mod tests {
                 .reshape([tokens, dim]);
         let (cos, sin) = (angles.clone().cos(), angles.sin());
         let grad =
-            Tensor::<Wgpu, 4>::random([1, heads, tokens, dim], Distribution::Default, &device);
+            Tensor::<Wgpu, 4>::random([batch, heads, tokens, dim], Distribution::Default, &device);
         let (xs, ss, cs, ns, gs) = (
             values(&x),
             values(&scale),
@@ -283,22 +417,24 @@ mod tests {
             values(&grad),
         );
         let prim = |t: Tensor<Wgpu, 2>| t.into_primitive().tensor();
+        let x = x.into_primitive().tensor();
+        let geometry = Geometry::new(&x.client, x.dtype, dim);
         let out = from(norm_rope(
-            x.clone().into_primitive().tensor(),
+            x.clone(),
             scale.clone().into_primitive().tensor(),
             prim(cos.clone()),
             prim(sin.clone()),
             eps as f32,
         ));
         let dx = from(norm_rope_backward(
-            x.into_primitive().tensor(),
+            x,
             scale.into_primitive().tensor(),
             prim(cos),
             prim(sin),
             grad.into_primitive().tensor(),
             eps as f32,
         ));
-        for row in 0..heads * tokens {
+        for row in 0..batch * heads * tokens {
             let t = row % tokens;
             let at = |v: &[f64]| v[row * dim..][..dim].to_vec();
             let table = |v: &[f64]| v[t * dim..][..dim].to_vec();
@@ -315,7 +451,7 @@ mod tests {
                 let got = out[row * dim + c];
                 assert!(
                     (got - want[c]).abs() <= 1e-5 + 1e-5 * want[c].abs(),
-                    "row {row} lane {c}: {got}, expected {}",
+                    "dim {dim}, row {row} lane {c}: {got}, expected {}",
                     want[c]
                 );
                 let h = 1e-6;
@@ -326,9 +462,33 @@ mod tests {
                 let got = dx[row * dim + c];
                 assert!(
                     (got - slope).abs() <= 1e-4 + 1e-4 * slope.abs(),
-                    "gradient at row {row} lane {c}: {got}, expected {slope}"
+                    "dim {dim}, gradient at row {row} lane {c}: {got}, expected {slope}"
                 );
             }
+        }
+        geometry
+    }
+
+    /// Rows of 8 values, and rows of 6, which take vectors of 2 values (one pair per unit).
+    #[test]
+    fn short_rows_match_float64() {
+        check(1, 3, 5, 8);
+        let geometry = check(1, 2, 3, 6);
+        assert_eq!((geometry.width, geometry.group), (2, 3));
+    }
+
+    /// The models' head sizes, 64 and 128, over several cubes of rows of two batches, the last
+    /// cube part full.
+    #[test]
+    fn head_sizes_64_and_128_match_float64() {
+        for (batch, heads, tokens, dim) in [(1, 5, 9, 64), (2, 3, 7, 128)] {
+            let geometry = check(batch, heads, tokens, dim);
+            let rows = batch * heads * tokens;
+            assert!(geometry.width >= 2 && geometry.group > 1, "{geometry:?}");
+            assert!(
+                rows > geometry.rows_per_cube && rows % geometry.rows_per_cube != 0,
+                "{rows} rows fill whole cubes of {geometry:?}"
+            );
         }
     }
 }

@@ -3,12 +3,9 @@
 //! `gemm.rs`.
 //!
 //! cuBLAS runs on a CUDA stream of its own, since CubeCL 0.10 hands out no handle to its
-//! streams, and the host keeps the two streams in step: the compute stream is drained before
-//! the call (the operands are written, and the output buffer's previous tenant is no longer
-//! read) and the cuBLAS stream is synchronized after it (the output is complete before any later
-//! kernel reads it or reuses the operands' memory). Products too small to win back those waits
-//! stay with Burn's kernels; `BURN_LORA_BLAS=0` leaves every product to them, `=all` routes the
-//! small ones too.
+//! streams; `order.rs` keeps each product in its place in CubeCL's stream. Products too small to
+//! pay for that stay with Burn's kernels; `BURN_LORA_BLAS=0` leaves every product to them,
+//! `=all` routes the small ones too.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -24,8 +21,9 @@ use cudarc::cublas::sys::{
 };
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::cuda::{address, host_ordered};
+use crate::cuda::address;
 use crate::gemm::{GemmPlan, Layout, MIN_ROUTED_FLOPS, Operand, plan};
+use crate::order::ordered;
 
 /// Which products `BURN_LORA_BLAS` sends to cuBLAS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,7 +211,7 @@ pub(crate) fn matmul(
         address(client, &out)?,
     ];
     let blas = blas.lock().unwrap();
-    let done = host_ordered(client, &blas.ctx, &blas.stream, || {
+    let done = ordered(client, &blas.ctx, &blas.stream, || {
         blas.gemm(&plan, addresses, dtype)
     });
     if let Err(reason) = done {

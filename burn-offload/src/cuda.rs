@@ -124,25 +124,8 @@ const SMALL: usize = 1 << 20;
 /// read by kernels queued for its previous tenant, and a staging buffer must outlive the kernel
 /// that decodes it. Burn orders its own uses of a buffer on its stream; the copy stream is
 /// outside that order.
-fn drain(client: &ComputeClient<CudaRuntime>) {
+pub(crate) fn drain(client: &ComputeClient<CudaRuntime>) {
     block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
-}
-
-/// Runs `work`, which queues device work on `stream` outside CubeCL's order, between two host
-/// synchronizations: the compute stream is drained first (the operands are written, and no
-/// queued kernel still reads a buffer `work` writes) and `stream` is synchronized after it (the
-/// results are complete before any later kernel reads them or reuses the operands' memory).
-/// The cuBLAS products and the fused attention are ordered this way.
-pub(crate) fn host_ordered(
-    client: &ComputeClient<CudaRuntime>,
-    ctx: &CudaContext,
-    stream: &CudaStream,
-    work: impl FnOnce() -> Result<(), String>,
-) -> Result<(), String> {
-    ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    drain(client);
-    work()?;
-    stream.synchronize().map_err(|e| e.to_string())
 }
 
 /// Whether the fused elementwise kernels take `x`: a plain (not quantized) f32, bf16 or f16

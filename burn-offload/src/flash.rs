@@ -1,7 +1,7 @@
 //! Fused attention on CUDA: the kernels of `flash_attention.cu`, compiled by NVRTC on first use
 //! for the device and head size, run on Burn-owned buffers. The mechanism behind
 //! [`attention`](crate::attention); ordered against CubeCL's stream as the cuBLAS products are
-//! (`cuda::host_ordered`).
+//! (`order.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,8 +17,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::cuda::{address, host_ordered};
+use crate::cuda::address;
 use crate::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
+use crate::order::ordered;
 
 /// Threads per block of the two main kernels.
 const THREADS: u32 = 128;
@@ -241,7 +242,7 @@ pub(crate) fn forward(
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let launched = host_ordered(client, &kernels.ctx, &kernels.stream, || {
+    let launched = ordered(client, &kernels.ctx, &kernels.stream, || {
         let mut launch = kernels.stream.launch_builder(&kernels.forward);
         launch
             .arg(&qp)
@@ -329,7 +330,7 @@ pub(crate) fn backward(
     let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let done = host_ordered(client, &kernels.ctx, &kernels.stream, || {
+    let done = ordered(client, &kernels.ctx, &kernels.stream, || {
         // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
         unsafe {
             cudarc::driver::result::memset_d8_async(

@@ -74,6 +74,8 @@ mod cuda;
 mod dispatch;
 mod engine;
 mod error;
+#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
+mod flag_kernel;
 #[cfg(feature = "cuda")]
 mod flash;
 #[cfg(any(feature = "cuda", test))]
@@ -84,6 +86,8 @@ mod norm_rope;
 #[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
 mod norm_rope_kernel;
 mod ops;
+#[cfg(feature = "cuda")]
+mod order;
 mod policy;
 mod stats;
 mod stream;

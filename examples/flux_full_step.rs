@@ -122,6 +122,9 @@ struct Hooks<'a> {
 }
 
 fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
     let args = parse_args();
     let device = Default::default();
     let memory = common::DeviceMemory::start();

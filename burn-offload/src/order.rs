@@ -3,30 +3,34 @@
 //! out.
 //!
 //! Device order (the default): a one-unit kernel on the compute stream raises a flag to `n`;
-//! the other stream waits for it (`cuStreamWaitValue32`), runs the work, then sets a second
-//! flag to `n` (`cuStreamWriteValue32`, behind a memory barrier); a one-unit kernel on the
-//! compute stream runs until it sees `n`, so nothing queued after it starts before the work is
-//! done. The host never waits for the GPU. It waits only, before queuing the other stream's
-//! wait, until CubeCL's device thread has handed the raising kernel to the driver
-//! ([`ComputeClient::exclusive`]): two streams may share one hardware queue, where a wait queued
-//! ahead of the write it waits for would never end. The flags are kept per thread (CubeCL gives
-//! each thread a stream of its own) and per device (`flag_kernel.rs` holds the kernels).
+//! on the other stream a one-unit kernel waits until it sees `n`, the work runs, and another
+//! one-unit kernel sets a second flag to `n`; a one-unit kernel on the compute stream waits
+//! until it sees that, so nothing queued after it starts before the work is done. The host never
+//! waits for the GPU. It waits only, before queuing the other stream's wait, until CubeCL's
+//! device thread has handed the raising kernel to the driver ([`ComputeClient::exclusive`]), so
+//! that the driver always receives a flag's write before the wait for it. The flags live in a
+//! CubeCL buffer, kept per thread (CubeCL gives each thread a stream of its own) and per device;
+//! `flag_kernel.rs` holds the compute stream's kernels, and the other stream's are compiled here
+//! by NVRTC. (The driver's stream-memory operations, `cuStreamWaitValue32` and
+//! `cuStreamWriteValue32`, would spare those two kernels, but reject CubeCL's buffers, which come
+//! from the stream-ordered allocator: `CUDA_ERROR_INVALID_VALUE` on the H200.)
 //!
-//! Host order (`BURN_LORA_ORDER=host`, and the fallback once a stream-memory operation has
-//! failed): the compute stream is drained before the work and the other stream synchronized
+//! Host order (`BURN_LORA_ORDER=host`, and the fallback when the other stream's kernels cannot
+//! be compiled or launched): the compute stream is drained before the work and the other stream synchronized
 //! after it; the GPU idles while the host queues the kernels that follow.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
-use cudarc::driver::sys::{self, CUresult, CUstreamWaitValue_flags, CUstreamWriteValue_flags};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::cuda::{address, drain};
 use crate::flag_kernel::{DONE, RAISED, flags, raise, wait_for};
@@ -55,7 +59,7 @@ fn chosen() -> Order {
     })
 }
 
-/// Set once a stream-memory operation has failed: later work is host-ordered.
+/// Set once the other stream's flag kernels have failed: later work is host-ordered.
 static DEVICE_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// One thread's flags on one device, and the last value raised.
@@ -96,10 +100,80 @@ fn next(client: &ComputeClient<CudaRuntime>, ctx: &CudaContext) -> Option<(u32, 
     })
 }
 
-fn checked(result: CUresult, what: &str) -> Result<(), String> {
-    match result {
-        CUresult::CUDA_SUCCESS => Ok(()),
-        error => Err(format!("{what}: {error:?}")),
+/// The other stream's kernels: one waits until a flag reaches a value, one sets a flag.
+const SIDE_KERNELS: &str = r#"
+extern "C" __global__ void wait_flag(unsigned int* flag, unsigned int value) {
+    while (atomicAdd(flag, 0u) < value) {
+        __nanosleep(256);
+    }
+}
+extern "C" __global__ void set_flag(unsigned int* flag, unsigned int value) {
+    atomicExch(flag, value);
+}
+"#;
+
+/// The other stream's flag kernels for one device.
+struct Side {
+    wait: CudaFunction,
+    set: CudaFunction,
+}
+
+impl Side {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self, String> {
+        let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
+        let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let ptx = std::panic::catch_unwind(|| {
+            compile_ptx_with_opts(
+                SIDE_KERNELS,
+                CompileOptions {
+                    options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
+                    name: Some("order_flags.cu".into()),
+                    ..Default::default()
+                },
+            )
+        })
+        .map_err(|_| "libnvrtc could not be loaded".to_string())?
+        .map_err(|e| format!("NVRTC: {e:?}"))?;
+        let module = ctx.load_module(ptx).map_err(|e| e.to_string())?;
+        let function = |name| module.load_function(name).map_err(|e| e.to_string());
+        Ok(Self {
+            wait: function("wait_flag")?,
+            set: function("set_flag")?,
+        })
+    }
+
+    /// Queues `function` on `stream` with one thread, for the flag at `flag` and `value`.
+    fn launch(
+        function: &CudaFunction,
+        stream: &CudaStream,
+        flag: u64,
+        value: u32,
+    ) -> Result<(), String> {
+        let mut launch = stream.launch_builder(function);
+        launch.arg(&flag).arg(&value);
+        // SAFETY: the arguments match the kernels' parameters; `flag` is the address of a live
+        // `u32` in device memory (the thread's flags).
+        unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The other stream's flag kernels for `ctx`'s device, compiled on first use; `None` (said
+/// once, and host order from then on) when they cannot be.
+fn side(ctx: &Arc<CudaContext>) -> Option<Arc<Side>> {
+    static SIDE: OnceLock<Mutex<HashMap<usize, Arc<Side>>>> = OnceLock::new();
+    let mut all = SIDE.get_or_init(Default::default).lock().unwrap();
+    if let Some(side) = all.get(&ctx.ordinal()) {
+        return Some(side.clone());
+    }
+    match Side::new(ctx) {
+        Ok(side) => Some(all.entry(ctx.ordinal()).or_insert(Arc::new(side)).clone()),
+        Err(reason) => {
+            fall_back(&reason);
+            None
+        }
     }
 }
 
@@ -109,15 +183,16 @@ fn checked(result: CUresult, what: &str) -> Result<(), String> {
 /// returned once `stream` has finished what it queued.
 pub(crate) fn ordered(
     client: &ComputeClient<CudaRuntime>,
-    ctx: &CudaContext,
+    ctx: &Arc<CudaContext>,
     stream: &CudaStream,
     work: impl FnOnce() -> Result<(), String>,
 ) -> Result<(), String> {
     ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    let flags = (chosen() == Order::Device && !DEVICE_FAILED.load(Ordering::Relaxed))
-        .then(|| next(client, ctx))
-        .flatten();
-    let Some((value, buffer, base)) = flags else {
+    let device_order = chosen() == Order::Device && !DEVICE_FAILED.load(Ordering::Relaxed);
+    let Some(side) = device_order.then(|| side(ctx)).flatten() else {
+        return host_ordered(client, stream, work);
+    };
+    let Some((value, buffer, base)) = next(client, ctx) else {
         return host_ordered(client, stream, work);
     };
     let raised = base + (RAISED * size_of::<u32>()) as u64;
@@ -126,16 +201,7 @@ pub(crate) fn ordered(
     client
         .exclusive(|| ())
         .map_err(|e| format!("waiting for CubeCL's device thread: {e:?}"))?;
-    // SAFETY: `raised` is the address of a live `u32` in device memory (the thread's flags).
-    let waiting = unsafe {
-        sys::cuStreamWaitValue32_v2(
-            stream.cu_stream(),
-            raised,
-            value,
-            CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-        )
-    };
-    if let Err(reason) = checked(waiting, "cuStreamWaitValue32") {
+    if let Err(reason) = Side::launch(&side.wait, stream, raised, value) {
         fall_back(&reason);
         return host_ordered(client, stream, work);
     }
@@ -143,16 +209,7 @@ pub(crate) fn ordered(
         stream.synchronize().map_err(|e| e.to_string())?;
         return Err(reason);
     }
-    // SAFETY: `done` is the address of a live `u32` in device memory (the thread's flags).
-    let setting = unsafe {
-        sys::cuStreamWriteValue32_v2(
-            stream.cu_stream(),
-            done,
-            value,
-            CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-        )
-    };
-    if let Err(reason) = checked(setting, "cuStreamWriteValue32") {
+    if let Err(reason) = Side::launch(&side.set, stream, done, value) {
         fall_back(&reason);
         return stream.synchronize().map_err(|e| e.to_string());
     }
@@ -160,9 +217,9 @@ pub(crate) fn ordered(
     Ok(())
 }
 
-/// Host order from now on, after a stream-memory operation failed.
+/// Host order from now on, after the other stream's flag kernels failed.
 fn fall_back(reason: &str) {
-    tracing::warn!("device-side ordering failed ({reason}); host waits from now on");
+    tracing::warn!("device-side ordering unavailable ({reason}); host waits from now on");
     DEVICE_FAILED.store(true, Ordering::Relaxed);
 }
 

@@ -3,9 +3,10 @@
 //! `gemm.rs`.
 //!
 //! cuBLAS runs on a CUDA stream of its own, since CubeCL 0.10 hands out no handle to its
-//! streams; `order.rs` keeps each product in its place in CubeCL's stream. Products too small to
-//! pay for that stay with Burn's kernels; `BURN_LORA_BLAS=0` leaves every product to them,
-//! `=all` routes the small ones too.
+//! streams; `order.rs` keeps each product in its place in CubeCL's stream. Under device order every
+//! product whose layout allows goes to cuBLAS; under host order only those large enough to pay
+//! for the waits (`BURN_LORA_BLAS=large` keeps that limit under device order too, `=all` drops
+//! it under host order); `BURN_LORA_BLAS=0` leaves every product to Burn's kernels.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -23,16 +24,20 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::cuda::address;
 use crate::gemm::{GemmPlan, Layout, MIN_ROUTED_FLOPS, Operand, plan};
-use crate::order::ordered;
+use crate::order::{device_ordered, ordered};
 
 /// Which products `BURN_LORA_BLAS` sends to cuBLAS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     /// `0`, `off` or `false`: none.
     Off,
-    /// Unset or any other value: those worth the host waits ([`GemmPlan::worth_routing`]).
+    /// Unset or any other value: every product whose layout allows it while the products are
+    /// ordered on the device, only those worth host waits ([`GemmPlan::worth_routing`]) while
+    /// the host orders them.
+    Auto,
+    /// `large`: only those worth host waits, whatever the order.
     Large,
-    /// `all`: every product whose layout allows it, as the route's checks need.
+    /// `all`: every product whose layout allows it, whatever the order.
     All,
 }
 
@@ -41,15 +46,20 @@ fn route() -> Route {
     *ROUTE.get_or_init(|| {
         let route = match std::env::var("BURN_LORA_BLAS").as_deref() {
             Ok("0" | "off" | "false") => Route::Off,
+            Ok("large") => Route::Large,
             Ok("all") => Route::All,
-            _ => Route::Large,
+            _ => Route::Auto,
         };
+        let large = MIN_ROUTED_FLOPS >> 30;
         match route {
             Route::Off => tracing::info!("matrix products: Burn's kernels (BURN_LORA_BLAS=0)"),
+            Route::Auto => tracing::info!(
+                "matrix products: cuBLAS where the layout allows, only those of at least {large} \
+                 GFLOP under host order (BURN_LORA_BLAS=0 turns it off)"
+            ),
             Route::Large => tracing::info!(
-                "matrix products: cuBLAS for those of at least {} GFLOP where the layout allows \
-                 (BURN_LORA_BLAS=0 turns it off, =all routes small ones too)",
-                MIN_ROUTED_FLOPS >> 30
+                "matrix products: cuBLAS for those of at least {large} GFLOP where the layout \
+                 allows (BURN_LORA_BLAS=large)"
             ),
             Route::All => tracing::info!(
                 "matrix products: cuBLAS for all where the layout allows (BURN_LORA_BLAS=all)"
@@ -57,6 +67,16 @@ fn route() -> Route {
         }
         route
     })
+}
+
+/// Whether `plan` goes to cuBLAS under the route (the route is on).
+fn routed(plan: &GemmPlan) -> bool {
+    match route() {
+        Route::Off => false,
+        Route::All => true,
+        Route::Large => plan.worth_routing(),
+        Route::Auto => device_ordered() || plan.worth_routing(),
+    }
 }
 
 /// Set once a cuBLAS call has failed: later products stay with Burn.
@@ -199,8 +219,7 @@ pub(crate) fn matmul(
         return None;
     }
     let dtype = data_type(lhs.dtype)?;
-    let plan = plan(layout(lhs), layout(rhs))
-        .filter(|plan| route() == Route::All || plan.worth_routing())?;
+    let plan = plan(layout(lhs), layout(rhs)).filter(routed)?;
     let blas = blas(&lhs.device)?;
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());

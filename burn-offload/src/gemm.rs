@@ -52,9 +52,9 @@ pub struct GemmPlan {
     pub batch: usize,
 }
 
-/// Floating-point operations below which a product stays with Burn's kernels: the host waits
-/// around each routed product cost tens of microseconds, which a product this small (a LoRA
-/// factor, a modulation on the pooled vector) does not win back. 2³³ ≈ 8.6 GFLOP: at FLUX.1
+/// Floating-point operations below which a product stays with Burn's kernels when the products
+/// are ordered by host waits: those cost tens of microseconds per product, which a product this
+/// small (a LoRA factor, a modulation on the pooled vector) does not win back. 2³³ ≈ 8.6 GFLOP: at FLUX.1
 /// size every base projection, attention product and their gradients are routed, no LoRA
 /// factor is.
 pub const MIN_ROUTED_FLOPS: u64 = 1 << 33;

@@ -62,6 +62,11 @@ fn chosen() -> Order {
 /// Set once the other stream's flag kernels have failed: later work is host-ordered.
 static DEVICE_FAILED: AtomicBool = AtomicBool::new(false);
 
+/// Whether work is ordered on the device now (chosen and not fallen back).
+pub(crate) fn device_ordered() -> bool {
+    chosen() == Order::Device && !DEVICE_FAILED.load(Ordering::Relaxed)
+}
+
 /// One thread's flags on one device, and the last value raised.
 struct Flags {
     /// The two flags.
@@ -188,8 +193,7 @@ pub(crate) fn ordered(
     work: impl FnOnce() -> Result<(), String>,
 ) -> Result<(), String> {
     ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    let device_order = chosen() == Order::Device && !DEVICE_FAILED.load(Ordering::Relaxed);
-    let Some(side) = device_order.then(|| side(ctx)).flatten() else {
+    let Some(side) = device_ordered().then(|| side(ctx)).flatten() else {
         return host_ordered(client, stream, work);
     };
     let Some((value, buffer, base)) = next(client, ctx) else {

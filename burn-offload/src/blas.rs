@@ -209,8 +209,7 @@ fn layout(tensor: &CubeTensor<CudaRuntime>) -> Layout<'_> {
 }
 
 /// `lhs · rhs` through cuBLAS, or `None` when it is switched off, unavailable, the dtypes or
-/// layouts do not fit (see [`plan`]) or the product is too small to win back the host waits
-/// (see [`GemmPlan::worth_routing`]).
+/// layouts do not fit (see [`plan`]) or the route leaves the product to Burn (see `routed`).
 pub(crate) fn matmul(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,

@@ -33,10 +33,8 @@ use crate::train::TrainError;
 /// Name of the cache folder inside a dataset folder.
 pub const CACHE_FOLDER: &str = "_burnlora_cache";
 
-/// Pixels the VAE encodes per call, over the images of one bucket: one image at 1024², four at
-/// 512². Four 1024² images in one call gave non-finite latents from the random full-size VAE in
-/// bf16 on CUDA (benches/RESULTS.md); a batch of this size did not.
-const VAE_PIXELS: usize = 1 << 20;
+/// Images encoded by the VAE per batch (of one bucket).
+const VAE_BATCH: usize = 4;
 /// Captions encoded per batch.
 const TEXT_BATCH: usize = 8;
 
@@ -192,9 +190,8 @@ fn encode_latents<B: Backend>(
     }
     let mut buckets: Vec<_> = by_bucket.into_iter().collect();
     buckets.sort_by_key(|(b, _)| (b.width, b.height));
-    for (bucket, members) in buckets {
-        let batch = (VAE_PIXELS / (bucket.width * bucket.height)).max(1);
-        for chunk in members.chunks(batch) {
+    for (_, members) in buckets {
+        for chunk in members.chunks(VAE_BATCH) {
             let pixels = chunk
                 .iter()
                 .map(|&i| {

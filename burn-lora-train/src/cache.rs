@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Instant, UNIX_EPOCH};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5};
 use burn_offload::{Offload, StreamTarget, WeightStream};
 
@@ -199,9 +199,11 @@ fn encode_latents<B: Backend>(
                     Ok(Tensor::<B, 3>::from_data(data, device))
                 })
                 .collect::<Result<Vec<_>, DatasetError>>()?;
-            // The pixels come as f32; the VAE's weights are in the model's dtype.
-            let images = Tensor::stack(pixels, 0).cast(plan.model.dtype);
-            let encoded = vae.normalize_latents(vae.encode(images).mode());
+            // The VAE runs in f32 (`models::vae`); the latents are kept in the model's dtype.
+            let images = Tensor::stack(pixels, 0).cast(DType::F32);
+            let encoded = vae
+                .normalize_latents(vae.encode(images).mode())
+                .cast(plan.model.dtype);
             for (&i, latent) in chunk.iter().zip(encoded.iter_dim(0)) {
                 let latent = latent.squeeze_dim::<3>(0).into_data();
                 if !finite(&latent) {

@@ -129,12 +129,15 @@ pub(crate) fn text_encoders<B: StreamTarget>(
     })
 }
 
-/// The VAE, on `device` in the model's dtype.
+/// The VAE, on `device` in f32 whatever the model's dtype, as kohya's `--no_half_vae` and
+/// diffusers' `force_upcast` run it: it encodes each image once (the latents are cached), and in
+/// bf16 on CUDA Burn 0.21's convolution turns part of the first layer's output (3 input
+/// channels) into NaN (benches/RESULTS.md, `examples/vae_check.rs`).
 pub(crate) fn vae<B: Backend>(
     plan: &TrainPlan,
     device: &B::Device,
 ) -> Result<AutoencoderKl<B>, TrainError> {
-    let dtype = float_dtype(plan);
+    let dtype = FloatDType::F32;
     B::seed(device, plan.train.seed ^ 1);
     Ok(match &plan.model.source {
         ModelSource::Tiny => {

@@ -16,14 +16,14 @@
 use std::path::Path;
 
 use burn::backend::{Cuda, Flex};
-use burn::module::{Module, ModuleMapper, Param};
-use burn::nn::{GroupNorm, Linear};
+use burn::nn::Linear;
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{FloatDType, Tensor};
 use burn_diffusion::blocks::sdpa;
+use burn_diffusion::materialize;
 use burn_diffusion::pipeline::load_image;
-use burn_diffusion::vae::{Encoder, ResnetBlock2D, SpatialAttention, VaeConfig};
+use burn_diffusion::vae::{Encoder, ResnetBlock2D, SpatialAttention, VaeConfig, norm_in_f32};
 
 /// The image the trainer reported.
 const IMAGE: &str = "examples/flux/bench_images/blue_gradient.png";
@@ -57,28 +57,6 @@ fn probe<B: Backend, const D: usize>(
     if bad == 0 { Ok(x) } else { Err(NonFinite) }
 }
 
-/// burn-diffusion's (private) VAE group norm: statistics and affine transform in f32, the
-/// result in the input's dtype.
-fn norm<B: Backend>(norm: &GroupNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
-    let dtype = x.dtype();
-    let [b, c, h, w] = x.dims();
-    let grouped = x
-        .cast(DType::F32)
-        .reshape([b, norm.num_groups, c / norm.num_groups * h * w]);
-    let centered = grouped.clone() - grouped.mean_dim(2);
-    let var = centered.clone().square().mean_dim(2);
-    let normalized = (centered / (var + norm.epsilon).sqrt()).reshape([b, c, h, w]);
-    let affine = |p: &Option<Param<Tensor<B, 1>>>| {
-        p.as_ref()
-            .map(|p| p.val().cast(DType::F32).reshape([1, c, 1, 1]))
-    };
-    let normalized = match (affine(&norm.gamma), affine(&norm.beta)) {
-        (Some(gamma), Some(beta)) => normalized * gamma + beta,
-        _ => normalized,
-    };
-    normalized.cast(dtype)
-}
-
 /// `ResnetBlock2D::forward`, each step probed.
 fn resnet<B: Backend>(
     name: &str,
@@ -87,10 +65,13 @@ fn resnet<B: Backend>(
 ) -> Result<Tensor<B, 4>, NonFinite> {
     let h = probe(
         &format!("{name}.norm1+silu"),
-        silu(norm(&r.norm1, x.clone())),
+        silu(norm_in_f32(&r.norm1, x.clone())),
     )?;
     let h = probe(&format!("{name}.conv1"), r.conv1.forward(h))?;
-    let h = probe(&format!("{name}.norm2+silu"), silu(norm(&r.norm2, h)))?;
+    let h = probe(
+        &format!("{name}.norm2+silu"),
+        silu(norm_in_f32(&r.norm2, h)),
+    )?;
     let h = probe(&format!("{name}.conv2"), r.conv2.forward(h))?;
     let shortcut = match &r.conv_shortcut {
         Some(conv) => probe(&format!("{name}.conv_shortcut"), conv.forward(x))?,
@@ -108,7 +89,7 @@ fn attention<B: Backend>(
     let [b, c, h, w] = x.dims();
     let normed = probe(
         &format!("{name}.group_norm"),
-        norm(&a.group_norm, x.clone()),
+        norm_in_f32(&a.group_norm, x.clone()),
     )?;
     let tokens = normed.reshape([b, c, h * w]).swap_dims(1, 2);
     let head = |label: &str, linear: &Linear<B>| {
@@ -150,26 +131,8 @@ fn encode<B: Backend>(e: &Encoder<B>, x: Tensor<B, 4>) -> Result<(), NonFinite> 
         }
         x = resnet(&format!("mid.resnet{i}"), r, x)?;
     }
-    let x = probe("conv_norm_out+silu", silu(norm(&e.conv_norm_out, x)))?;
+    let x = probe("conv_norm_out+silu", silu(norm_in_f32(&e.conv_norm_out, x)))?;
     probe("conv_out", e.conv_out.forward(x)).map(drop)
-}
-
-/// The trainer's `materialize`: every parameter created now and cast to `dtype`.
-fn materialize<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
-    struct Cast(FloatDType);
-    impl<B: Backend> ModuleMapper<B> for Cast {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let dtype = self.0;
-            param.map(|t| {
-                if t.dtype() == DType::from(dtype) {
-                    t
-                } else {
-                    t.cast(dtype)
-                }
-            })
-        }
-    }
-    module.map(&mut Cast(dtype))
 }
 
 /// Encodes the image at `size`² with the trainer's random VAE in `dtype`, whole and then step

@@ -45,4 +45,4 @@ mod weights;
 
 pub use checkpointing::{Activations, BlockRunner, BlockTape, Checkpointing, Direct};
 pub use error::{KeyReport, LoadError, ShapeMismatch};
-pub use weights::PlaceWeight;
+pub use weights::{PlaceWeight, materialize};

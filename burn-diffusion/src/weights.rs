@@ -354,6 +354,25 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
+/// Creates every lazily initialized parameter of `module` now, in `dtype`, so that the values
+/// do not depend on when the device's random generator is next reseeded.
+pub fn materialize<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
+    struct Cast(FloatDType);
+    impl<B: Backend> ModuleMapper<B> for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let dtype = self.0;
+            param.map(|tensor| {
+                if tensor.dtype() == DType::from(dtype) {
+                    tensor
+                } else {
+                    tensor.cast(dtype)
+                }
+            })
+        }
+    }
+    module.map(&mut Cast(dtype))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

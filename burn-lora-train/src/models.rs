@@ -6,11 +6,12 @@
 //! a diffusers folder is loaded with burn-diffusion's loaders. Every float parameter is brought
 //! to the model's dtype.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
 use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel};
 use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig};
+use burn_diffusion::materialize;
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
@@ -204,25 +205,6 @@ fn float_dtype(plan: &TrainPlan) -> FloatDType {
         DType::F16 => FloatDType::F16,
         _ => FloatDType::F32,
     }
-}
-
-/// Creates every lazily initialized parameter of `module` now, in `dtype`, so that the values
-/// do not depend on when the device's random generator is next reseeded.
-fn materialize<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
-    struct Cast(FloatDType);
-    impl<B: Backend> ModuleMapper<B> for Cast {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let dtype = self.0;
-            param.map(|tensor| {
-                if tensor.dtype() == DType::from(dtype) {
-                    tensor
-                } else {
-                    tensor.cast(dtype)
-                }
-            })
-        }
-    }
-    module.map(&mut Cast(dtype))
 }
 
 /// Creates every lazily initialized parameter of `module` now.

@@ -12,5 +12,5 @@ pub use keys::VaeLayout;
 pub use load::VaeCheckpoint;
 pub use model::{
     AutoencoderKl, Decoder, DownEncoderBlock2D, Downsample2D, Encoder, LatentDistribution,
-    ResnetBlock2D, SpatialAttention, UNetMidBlock2D, UpDecoderBlock2D, Upsample2D,
+    ResnetBlock2D, SpatialAttention, UNetMidBlock2D, UpDecoderBlock2D, Upsample2D, norm_in_f32,
 };

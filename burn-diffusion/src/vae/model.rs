@@ -206,7 +206,8 @@ impl<B: Backend> Encoder<B> {
             x = block.forward(x);
         }
         let x = self.mid_block.forward(x);
-        self.conv_out.forward(silu(norm(&self.conv_norm_out, x)))
+        self.conv_out
+            .forward(silu(norm_in_f32(&self.conv_norm_out, x)))
     }
 }
 
@@ -271,7 +272,8 @@ impl<B: Backend> Decoder<B> {
         for block in &self.up_blocks {
             x = block.forward(x);
         }
-        self.conv_out.forward(silu(norm(&self.conv_norm_out, x)))
+        self.conv_out
+            .forward(silu(norm_in_f32(&self.conv_norm_out, x)))
     }
 }
 
@@ -381,8 +383,10 @@ impl<B: Backend> ResnetBlock2D<B> {
     /// # Shapes
     /// - `x`: `[batch, c_in, h, w]`; output: `[batch, c_out, h, w]`
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let h = self.conv1.forward(silu(norm(&self.norm1, x.clone())));
-        let h = self.conv2.forward(silu(norm(&self.norm2, h)));
+        let h = self
+            .conv1
+            .forward(silu(norm_in_f32(&self.norm1, x.clone())));
+        let h = self.conv2.forward(silu(norm_in_f32(&self.norm2, h)));
         let shortcut = match &self.conv_shortcut {
             Some(conv) => conv.forward(x),
             None => x,
@@ -490,7 +494,7 @@ impl<B: Backend> SpatialAttention<B> {
     /// - `x`: `[batch, c, h, w]`; output: same
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, c, h, w] = x.dims();
-        let tokens = norm(&self.group_norm, x.clone())
+        let tokens = norm_in_f32(&self.group_norm, x.clone())
             .reshape([b, c, h * w])
             .swap_dims(1, 2);
         let heads = |linear: &Linear<B>| linear.forward(tokens.clone()).unsqueeze_dim::<4>(1);
@@ -523,8 +527,8 @@ fn group_norm<B: Backend>(channels: usize, config: &VaeConfig, device: &B::Devic
 }
 
 /// `norm`'s group normalization with its statistics and affine transform in f32, the result in
-/// the input's dtype.
-fn norm<B: Backend>(norm: &GroupNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+/// the input's dtype: the normalization every block of the VAE uses.
+pub fn norm_in_f32<B: Backend>(norm: &GroupNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
     let dtype = x.dtype();
     let [b, c, h, w] = x.dims();
     let groups = norm.num_groups;
@@ -558,7 +562,7 @@ mod tests {
             .with_epsilon(EPS)
             .init::<B>(&device);
         let x = Tensor::<B, 4>::random([2, 6, 3, 5], Distribution::Normal(1.0, 2.0), &device);
-        norm(&layer, x.clone())
+        norm_in_f32(&layer, x.clone())
             .into_data()
             .assert_approx_eq::<f32>(&layer.forward(x).into_data(), Tolerance::absolute(1e-5));
     }

@@ -33,17 +33,29 @@ use crate::cube_tensor::{array, contiguous_as, empty_like, vector_array};
 /// Units per cube at most: a cube holds as many whole rows as fit.
 pub const CUBE_UNITS: usize = 256;
 
-/// Which row the unit works on (its slot's row, or the last row for a spare slot), that row's
-/// token, and whether the slot holds a row. Slots run token by token: slot `s` is head
-/// `s mod heads` of token `s / heads`.
+/// Where the unit works: the index of its vector in the rows (of its slot's row, or of the last
+/// row for a spare slot), the index of its first angle in the tables, and whether the slot holds
+/// a row. Slots run token by token: slot `s` is head `s mod heads` of token `s / heads`; a row
+/// of `dim` values is `dim / width` vectors, one per unit along x.
 #[cube]
-fn unit_row(rows: usize, tokens: usize) -> (usize, usize, bool) {
+fn unit_place(
+    rows: usize,
+    tokens: usize,
+    #[comptime] dim: usize,
+    #[comptime] width: usize,
+) -> (usize, usize, bool) {
     let slot = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
     let active = slot < rows;
     let slot = slot.min(rows - 1);
     let heads = rows / tokens;
     let token = slot / heads;
-    ((slot % heads) * tokens + token, token, active)
+    let row = (slot % heads) * tokens + token;
+    let unit = UNIT_POS_X as usize;
+    (
+        row * comptime!(dim / width) + unit,
+        token * dim + unit * width,
+        active,
+    )
 }
 
 /// The sum of `value` over the `group` units of the unit's row (the units of one y position),
@@ -77,9 +89,7 @@ fn norm_rope_kernel<F: Float, N: Size>(
     let group = comptime!(dim / width);
     let pairs = comptime!(width / 2);
     let unit = UNIT_POS_X as usize;
-    let (row, token, active) = unit_row(rows, tokens);
-    let at = row * group + unit;
-    let angles = token * dim + unit * width;
+    let (at, angles, active) = unit_place(rows, tokens, dim, width);
     let values = x[at];
     let weights = scale[unit];
     let mut squares = 0.0f32;
@@ -149,9 +159,7 @@ fn norm_rope_backward_kernel<F: Float, N: Size>(
     let group = comptime!(dim / width);
     let pairs = comptime!(width / 2);
     let unit = UNIT_POS_X as usize;
-    let (row, token, active) = unit_row(rows, tokens);
-    let at = row * group + unit;
-    let angles = token * dim + unit * width;
+    let (at, angles, active) = unit_place(rows, tokens, dim, width);
     let values = x[at];
     let gradient = grad[at];
     let weights = scale[unit];

@@ -42,6 +42,18 @@ pub fn vector_array<R: CubeRuntime>(tensor: &CubeTensor<R>, width: usize) -> Arr
     unsafe { ArrayArg::from_raw_parts(tensor.handle.clone(), elements) }
 }
 
+/// The widest vector `client` loads in one access for values of `dtype` that `fits` accepts.
+pub fn widest_vector<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    dtype: DType,
+    fits: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    client
+        .io_optimized_vector_sizes(dtype.size())
+        .filter(|&width| fits(width))
+        .max()
+}
+
 /// A new contiguous tensor shaped and typed like `like`.
 pub fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
     empty_device_contiguous_dtype(

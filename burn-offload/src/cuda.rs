@@ -21,7 +21,9 @@ use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::{Handle, ServerError};
 use cubecl_common::future::{DynFut, block_on};
-use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaModule, CudaStream, DriverError, result};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::error::OffloadError;
 use crate::norm_rope::NormRope;
@@ -132,6 +134,43 @@ pub(crate) fn drain(client: &ComputeClient<CudaRuntime>) {
 /// tensor.
 fn elementwise_input(x: &CubeTensor<CudaRuntime>) -> bool {
     matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16) && x.qparams.is_none()
+}
+
+/// The compute capability of `ctx`'s device, `(major, minor)`.
+pub(crate) fn compute_capability(ctx: &CudaContext) -> Result<(i32, i32), String> {
+    let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
+    Ok((
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
+/// CUDA C++ `source` (named `name` in NVRTC's messages) compiled by NVRTC for `ctx`'s device,
+/// with the toolkit's headers and `options`, and loaded.
+pub(crate) fn compile_module(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    source: &str,
+    options: Vec<String>,
+) -> Result<Arc<CudaModule>, String> {
+    let (major, minor) = compute_capability(ctx)?;
+    let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
+    let mut all = vec![format!("--gpu-architecture=sm_{major}{minor}")];
+    all.extend(options);
+    let ptx = std::panic::catch_unwind(|| {
+        compile_ptx_with_opts(
+            source,
+            CompileOptions {
+                include_paths: vec![format!("{cuda}/include")],
+                options: all,
+                name: Some(name.into()),
+                ..Default::default()
+            },
+        )
+    })
+    .map_err(|_| "libnvrtc could not be loaded".to_string())?
+    .map_err(|e| format!("NVRTC: {e:?}"))?;
+    ctx.load_module(ptx).map_err(|e| e.to_string())
 }
 
 /// The device address of a Burn buffer, `None` when CubeCL cannot resolve it.

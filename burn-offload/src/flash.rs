@@ -15,9 +15,8 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::cuda::address;
+use crate::cuda::{address, compile_module, compute_capability};
 use crate::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
 use crate::order::ordered;
 
@@ -52,40 +51,28 @@ impl Kernels {
     fn new(device: &CudaDevice, head_dim: usize) -> Result<Self, String> {
         let ctx = CudaContext::new(device.index).map_err(|e| e.to_string())?;
         let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-        let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
-        let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let (major, minor) = compute_capability(&ctx)?;
         if major < 8 {
             return Err(format!(
                 "compute capability {major}.{minor} has no bf16 tensor cores"
             ));
         }
-        let shared =
-            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-                as usize;
+        let shared = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| e.to_string())? as usize;
         let stages = backward_stages(head_dim, shared)
             .filter(|_| forward_shared(head_dim) <= shared)
             .ok_or_else(|| format!("{shared} bytes of shared memory per block are too few"))?;
-        let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
-        let ptx = std::panic::catch_unwind(|| {
-            compile_ptx_with_opts(
-                include_str!("flash_attention.cu"),
-                CompileOptions {
-                    include_paths: vec![format!("{cuda}/include")],
-                    options: vec![
-                        format!("--gpu-architecture=sm_{major}{minor}"),
-                        format!("-DHEAD_DIM={head_dim}"),
-                        format!("-DSTAGES={stages}"),
-                        "--std=c++17".into(),
-                    ],
-                    name: Some("flash_attention.cu".into()),
-                    ..Default::default()
-                },
-            )
-        })
-        .map_err(|_| "libnvrtc could not be loaded".to_string())?
-        .map_err(|e| format!("NVRTC: {e:?}"))?;
-        let module = ctx.load_module(ptx).map_err(|e| e.to_string())?;
+        let module = compile_module(
+            &ctx,
+            "flash_attention.cu",
+            include_str!("flash_attention.cu"),
+            vec![
+                format!("-DHEAD_DIM={head_dim}"),
+                format!("-DSTAGES={stages}"),
+                "--std=c++17".into(),
+            ],
+        )?;
         let function = |name: &str, shared: usize| -> Result<CudaFunction, String> {
             let f = module.load_function(name).map_err(|e| e.to_string())?;
             f.set_attribute(

@@ -28,7 +28,7 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::client::ComputeClient;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, contiguous_as, empty_like, vector_array};
+use crate::cube_tensor::{array, contiguous_as, empty_like, vector_array, widest_vector};
 
 /// Units per cube at most: a cube holds as many whole rows as fit.
 pub const CUBE_UNITS: usize = 256;
@@ -209,10 +209,7 @@ impl Geometry {
     /// The widest vector `client` loads in one access for `dtype` that is even and divides
     /// `dim`, and as many rows per cube as fit in [`CUBE_UNITS`] units.
     fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, dim: usize) -> Self {
-        let width = client
-            .io_optimized_vector_sizes(dtype.size())
-            .filter(|&w| w % 2 == 0 && dim.is_multiple_of(w))
-            .max()
+        let width = widest_vector(client, dtype, |w| w % 2 == 0 && dim.is_multiple_of(w))
             .unwrap_or_else(|| panic!("no vector of whole pairs divides a row of {dim}"));
         let group = dim / width;
         assert!(

@@ -28,11 +28,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::cuda::{address, drain};
+use crate::cuda::{address, compile_module, drain};
 use crate::flag_kernel::{DONE, RAISED, flags, raise, wait_for};
 
 /// How the two streams are kept in step.
@@ -125,22 +123,7 @@ struct Side {
 
 impl Side {
     fn new(ctx: &Arc<CudaContext>) -> Result<Self, String> {
-        let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
-        let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let ptx = std::panic::catch_unwind(|| {
-            compile_ptx_with_opts(
-                SIDE_KERNELS,
-                CompileOptions {
-                    options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
-                    name: Some("order_flags.cu".into()),
-                    ..Default::default()
-                },
-            )
-        })
-        .map_err(|_| "libnvrtc could not be loaded".to_string())?
-        .map_err(|e| format!("NVRTC: {e:?}"))?;
-        let module = ctx.load_module(ptx).map_err(|e| e.to_string())?;
+        let module = compile_module(ctx, "order_flags.cu", SIDE_KERNELS, Vec::new())?;
         let function = |name| module.load_function(name).map_err(|e| e.to_string());
         Ok(Self {
             wait: function("wait_flag")?,

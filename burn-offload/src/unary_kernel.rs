@@ -22,7 +22,9 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, contiguous_as, empty_like, one_unit_each, vector_array};
+use crate::cube_tensor::{
+    array, contiguous_as, empty_like, one_unit_each, vector_array, widest_vector,
+};
 use crate::unary::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
 
 /// GELU (tanh) of `v`.
@@ -250,11 +252,7 @@ fn layer_norm_backward<R: CubeRuntime>(
 /// its dtype that divides its size (1 when no wider one does).
 fn gelu_width<R: CubeRuntime>(x: &CubeTensor<R>) -> usize {
     let elements = x.meta.shape().num_elements();
-    x.client
-        .io_optimized_vector_sizes(x.dtype.size())
-        .filter(|&width| elements.is_multiple_of(width))
-        .max()
-        .unwrap_or(1)
+    widest_vector(&x.client, x.dtype, |width| elements.is_multiple_of(width)).unwrap_or(1)
 }
 
 fn gelu_tanh<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {

@@ -112,4 +112,16 @@ pub enum LoraError {
         /// Why the mapping fails.
         reason: String,
     },
+    /// A module has no name in the file layout being written: no target tool could load it.
+    #[error("module `{module}` has no name in this file layout; no target tool would load it")]
+    Unnamed {
+        /// The module path.
+        module: String,
+    },
+    /// A file holds adapters for layers the model does not have.
+    #[error("the file has adapters for layers this model does not have: {}", modules.join(", "))]
+    UnknownModules {
+        /// The names as the file spells them.
+        modules: Vec<String>,
+    },
 }

@@ -1,7 +1,7 @@
 //! Reading and writing adapter files (kohya / LyCORIS and PEFT / diffusers safetensors),
 //! atomically; see the crate documentation for the key layouts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::path::Path;
 
@@ -12,6 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::{Map, Value, json};
 
 use crate::LoraError;
+use crate::keymap::NameMap;
 use crate::set::{
     AdapterSet, LokrFactor, LoraMetadata, Matrix, Origin, Role, StoredAdapter, flatten_name,
 };
@@ -21,8 +22,28 @@ use crate::set::{
 pub enum Format {
     /// kohya sd-scripts / LyCORIS: `lora_unet_<path_with_underscores>.lora_down.weight`.
     Kohya,
-    /// PEFT / diffusers: `transformer.<path>.lora_A.weight`.
+    /// PEFT / diffusers: `transformer.<path>.lora_A.weight`, alpha in the metadata.
     Peft,
+    /// ai-toolkit: `diffusion_model.<path>.lora_A.weight` with the checkpoint's module paths
+    /// and an f32 `.alpha` per module.
+    AiToolkit,
+}
+
+impl Format {
+    /// The name used in configuration files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kohya => "kohya",
+            Self::Peft => "peft",
+            Self::AiToolkit => "ai-toolkit",
+        }
+    }
+
+    /// Whether the format names modules as a checkpoint does (BFL, SGM, Wan paths) rather than
+    /// as diffusers does.
+    pub fn checkpoint_names(self) -> bool {
+        matches!(self, Self::Kohya | Self::AiToolkit)
+    }
 }
 
 /// Where a PEFT file keeps the LoRA alpha.
@@ -39,7 +60,8 @@ pub enum PeftAlpha {
 pub struct SaveOptions {
     /// The naming style.
     pub format: Format,
-    /// The key prefix; `None` means `lora_unet` (kohya) or `transformer` (PEFT).
+    /// The key prefix; `None` means `lora_unet` (kohya), `transformer` (PEFT) or
+    /// `diffusion_model` (ai-toolkit).
     pub prefix: Option<String>,
     /// Where a PEFT file keeps alpha.
     pub peft_alpha: PeftAlpha,
@@ -68,9 +90,9 @@ impl SaveOptions {
 
     /// Default options for `format`.
     pub fn for_format(format: Format) -> Self {
-        match format {
-            Format::Kohya => Self::kohya(),
-            Format::Peft => Self::peft(),
+        Self {
+            format,
+            ..Self::kohya()
         }
     }
 
@@ -79,6 +101,7 @@ impl SaveOptions {
             (Some(p), _) => p,
             (None, Format::Kohya) => KOHYA_PREFIXES[0],
             (None, Format::Peft) => "transformer",
+            (None, Format::AiToolkit) => "diffusion_model",
         }
     }
 }
@@ -172,7 +195,7 @@ fn scalar(value: f32) -> TensorData {
 /// `burn_lora_modules`, the list of paths that lets [`load`] restore them. Other entries of
 /// `set.metadata.extra` are kept.
 pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), LoraError> {
-    if options.format == Format::Peft && set.has_flat_names() {
+    if options.format != Format::Kohya && set.has_flat_names() {
         let key = set
             .iter()
             .next()
@@ -193,8 +216,10 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
                 format!("{prefix}_{}", flatten_name(name)),
                 Role::kohya_suffix,
             ),
-            Format::Peft if prefix.is_empty() => (name.to_string(), Role::peft_suffix),
-            Format::Peft => (format!("{prefix}.{name}"), Role::peft_suffix),
+            Format::Peft | Format::AiToolkit if prefix.is_empty() => {
+                (name.to_string(), Role::peft_suffix)
+            }
+            Format::Peft | Format::AiToolkit => (format!("{prefix}.{name}"), Role::peft_suffix),
         };
         let mut push = |role: Role, data: TensorData| {
             tensors.push((format!("{module}{}", suffix(role)), data));
@@ -733,6 +758,109 @@ pub fn convert(input: &Path, output: &Path, to: Format) -> Result<ConvertReport,
         params: set.num_params(),
         dropped: set.unrecognized_keys().to_vec(),
     })
+}
+
+/// The names a model's adapted layers take in every file layout, and the file I/O that uses
+/// them, so that every file carries names its target tools load.
+///
+/// A model crate builds it from the table that names its checkpoint tensors:
+/// [`checkpoint`](Self::checkpoint) gives the checkpoint's module paths (BFL, SGM, Wan),
+/// written by kohya files (`lora_unet_` + path with `_`) and ai-toolkit files
+/// (`diffusion_model.` + path); [`diffusers`](Self::diffusers) gives diffusers' module paths,
+/// written by PEFT files under [`diffusers_prefix`](Self::diffusers_prefix).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayoutNames {
+    /// Model paths → the checkpoint's module paths.
+    pub checkpoint: NameMap,
+    /// Model paths → diffusers' module paths.
+    pub diffusers: NameMap,
+    /// The PEFT key prefix of the diffusers component (`transformer`, `unet`).
+    pub diffusers_prefix: String,
+}
+
+impl LayoutNames {
+    /// The map a format names modules with.
+    pub fn map(&self, format: Format) -> &NameMap {
+        if format.checkpoint_names() {
+            &self.checkpoint
+        } else {
+            &self.diffusers
+        }
+    }
+
+    /// Writes `set` (keyed by the model's module paths) in `options.format` with the layout's
+    /// names (see [`save`]); a module without a name in the layout is an error naming it,
+    /// and nothing is written.
+    pub fn save(
+        &self,
+        set: &AdapterSet,
+        path: &Path,
+        options: &SaveOptions,
+    ) -> Result<(), LoraError> {
+        let named = self.map(options.format).to_target(set)?;
+        let mut options = options.clone();
+        if options.format == Format::Peft && options.prefix.is_none() {
+            options.prefix = Some(self.diffusers_prefix.clone());
+        }
+        save(&named, path, &options)
+    }
+
+    /// Reads a file of any layout this model's names describe (kohya, PEFT / diffusers,
+    /// ai-toolkit, OneTrainer's `lora_transformer_`) into a set keyed by the model's module
+    /// paths. Split adapters join into the model's fused layers exactly; adapters of layers the
+    /// model does not have are an error listing them.
+    pub fn load(&self, path: &Path) -> Result<AdapterSet, LoraError> {
+        let mut set = load(path)?;
+        let maps = [&self.checkpoint, &self.diffusers];
+        let known = |map: &NameMap| {
+            let names = map.target_names();
+            let flat: BTreeSet<String> = names.iter().map(|n| flatten_name(n)).collect();
+            set.iter()
+                .filter(|(n, _)| {
+                    if set.has_flat_names() {
+                        flat.contains(*n)
+                    } else {
+                        names.contains(n)
+                    }
+                })
+                .count()
+        };
+        let map = if known(maps[1]) > known(maps[0]) {
+            maps[1]
+        } else {
+            maps[0]
+        };
+        if set.has_flat_names() {
+            let names = map.target_names();
+            let unknown: Vec<String> = set
+                .iter()
+                .map(|(n, _)| n.to_string())
+                .filter(|n| !names.iter().any(|t| flatten_name(t) == *n))
+                .collect();
+            if !unknown.is_empty() {
+                return Err(LoraError::UnknownModules { modules: unknown });
+            }
+            set.resolve_names(names)?;
+        }
+        map.from_target(&set)
+    }
+
+    /// Rewrites a file of any layout [`load`](Self::load) reads in format `to`, keeping every
+    /// adapter's update, its scale and the metadata.
+    pub fn convert(
+        &self,
+        input: &Path,
+        output: &Path,
+        to: Format,
+    ) -> Result<ConvertReport, LoraError> {
+        let set = self.load(input)?;
+        self.save(&set, output, &SaveOptions::for_format(to))?;
+        Ok(ConvertReport {
+            adapters: set.len(),
+            params: set.num_params(),
+            dropped: set.unrecognized_keys().to_vec(),
+        })
+    }
 }
 
 #[cfg(test)]

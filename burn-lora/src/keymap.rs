@@ -1,112 +1,148 @@
-//! Module-name mapping between a model and the tool a file is meant for.
+//! Module names of one file layout: which layers of the target tool each adapted layer of a
+//! model becomes, and back.
 
-use std::collections::BTreeMap;
-
-use burn::tensor::DType;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 
 use crate::LoraError;
 use crate::set::{AdapterSet, Matrix, StoredAdapter};
 
-/// Several layers of the model whose weights form one weight in the target tool, stacked along
-/// the output dimension in the given order.
-#[derive(Clone, Debug, PartialEq)]
-struct Fusion {
-    into: String,
-    parts: Vec<(String, usize)>,
+/// Output rows `rows` of the target layer `target` (which has `len` output rows in all) are the
+/// model layer's output rows `to .. to + rows.len()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowSlice {
+    /// The target tool's layer, e.g. `transformer_blocks.0.attn.to_q`.
+    pub target: String,
+    /// Output rows of the target layer.
+    pub len: usize,
+    /// The rows of the target layer this slice fills.
+    pub rows: Range<usize>,
+    /// The first output row of the model layer that goes there.
+    pub to: usize,
 }
 
-/// Renames and fusions from a model's module names to a target tool's names.
+/// What one model layer is called by the target tool.
+#[derive(Clone, Debug, PartialEq)]
+enum Target {
+    /// One layer of the target tool, whole.
+    Whole(String),
+    /// Row slices of one or more target layers (diffusers' `to_q`, `to_k`, `to_v` of BFL's
+    /// fused `qkv`; the swapped halves of FLUX's final modulation).
+    Rows(Vec<RowSlice>),
+}
+
+/// The names one file layout gives to the adapted layers of one model.
 ///
-/// A model crate describes, once per model, how its module paths differ from a target tool's
-/// (e.g. a diffusers-layout FLUX to BFL names): plain renames, and fusions of several layers
-/// into one weight (`attn.to_q`, `to_k`, `to_v` → `img_attn.qkv`). This crate applies the map
-/// to an [`AdapterSet`] in either direction.
+/// A model crate builds one map per layout from the table that also names its checkpoint
+/// tensors (FLUX.1: BFL names for kohya and ai-toolkit files, diffusers names for PEFT files).
+/// [`NameMap::to_target`] renames an [`AdapterSet`] keyed by the model's module paths into
+/// the layout's names, splitting adapters of fused layers exactly: every target layer gets the
+/// shared `down` matrix and its rows of `up`, so `up_t · down` is exactly the model update's
+/// rows. A model layer the map does not name is an error, never a silently unloadable key.
 ///
-/// A LoRA on split layers becomes a LoRA on the fused weight by stacking the down matrices and
-/// placing the up matrices on a block diagonal:
+/// [`NameMap::from_target`] is the reverse. Parts that share their `down` matrix and alpha (as
+/// files written by [`NameMap::to_target`] do) join back into the original adapter; parts
+/// trained separately join into one adapter of the summed rank, with stacked `down` matrices
+/// and `up` matrices on a block diagonal:
 ///
 /// ```text
-/// down = [A_q; A_k; A_v]            (3r × in)
-/// up   = [[B_q, 0, 0], [0, B_k, 0], [0, 0, B_v]]   (3·out × 3r)
-/// up · down = [B_q A_q; B_k A_k; B_v A_v]           (each part's own update)
+/// down = [A_q; A_k; A_v]                               (3r × in)
+/// up   = [[B_q, 0, 0], [0, B_k, 0], [0, 0, B_v]]       (3·out × 3r)
+/// up · down = [B_q A_q; B_k A_k; B_v A_v]              (each part's own update)
 /// ```
 ///
-/// with alpha set to `scale · total rank` (three parts of rank `r` and alpha `a` give rank `3r`,
-/// alpha `3a`), so `alpha / rank` is unchanged; parts with different scales have their scale
-/// multiplied into their block of `up` and alpha equals the rank. ComfyUI applies a kohya
-/// `qkv` LoRA as `alpha / rank · up · down` on the fused weight, which is exactly the per-part
-/// updates stacked; diffusers' kohya FLUX converter recognises the zero off-diagonal blocks and
-/// splits the file back into the original per-part LoRAs (ref: ComfyUI
-/// `comfy/weight_adapter/lora.py`, diffusers 0.42.1 `loaders/lora_conversion_utils.py`
-/// `_convert_kohya_flux_lora_to_diffusers`; `tests/fixtures/make_fixtures.py` checks both). Sharing one down matrix
-/// and concatenating the up matrices would only be exact if the parts shared their down
-/// matrix, which independently trained LoRAs do not. Splitting does the reverse: a block
-/// diagonal up splits into the original parts, any other fused LoRA gives each part the whole
-/// down matrix and its rows of up.
+/// with alpha equal to `scale · total rank` when the parts share a scale (otherwise each
+/// scale is multiplied into its block of `up` and alpha equals the rank). ComfyUI applies such
+/// a kohya `qkv` LoRA as `alpha / rank · up · down` on the fused weight, and diffusers' kohya
+/// FLUX converter recognises the zero off-diagonal blocks; [`NameMap::to_target`] does the same
+/// and gives each part its own block.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NameMap {
-    renames: Vec<(String, String)>,
-    fusions: Vec<Fusion>,
+    layers: BTreeMap<String, Target>,
 }
 
 impl NameMap {
-    /// An empty map (names pass through).
+    /// An empty map.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Module `from` is called `to` by the target tool.
-    pub fn rename(mut self, from: impl Into<String>, to: impl Into<String>) -> Self {
-        self.renames.push((from.into(), to.into()));
+    /// Model layer `module` is the target's layer `target`, whole.
+    pub fn rename(mut self, module: impl Into<String>, target: impl Into<String>) -> Self {
+        self.layers
+            .insert(module.into(), Target::Whole(target.into()));
         self
     }
 
-    /// The target tool has one weight `into` whose output rows are the outputs of `parts`
-    /// (module name, output features), in order.
-    pub fn fuse(mut self, into: impl Into<String>, parts: &[(&str, usize)]) -> Self {
-        self.fusions.push(Fusion {
-            into: into.into(),
-            parts: parts.iter().map(|(n, d)| (n.to_string(), *d)).collect(),
-        });
+    /// Model layer `module`'s output rows are spread over the target layers of `slices`.
+    pub fn split(mut self, module: impl Into<String>, slices: Vec<RowSlice>) -> Self {
+        self.layers.insert(module.into(), Target::Rows(slices));
         self
     }
 
-    /// Model names → target names: renames, and fused adapters for each fusion whose parts
-    /// appear in the set (a missing part contributes nothing).
-    pub fn apply(&self, set: &AdapterSet) -> Result<AdapterSet, LoraError> {
-        let mut out = set.clone();
-        let mut adapters = out.take_adapters();
-        for fusion in &self.fusions {
-            let parts: Vec<Option<StoredAdapter>> = fusion
-                .parts
-                .iter()
-                .map(|(name, _)| adapters.remove(name))
-                .collect();
-            if parts.iter().all(Option::is_none) {
-                continue;
-            }
-            let fused = fuse(fusion, &parts)?;
-            insert_new(&mut adapters, &fusion.into, fused)?;
-        }
-        rename_all(&mut adapters, self.renames.iter().map(|(f, t)| (f, t)))?;
-        out.replace_adapters(adapters);
-        Ok(out)
+    /// Every target layer name, each once.
+    pub fn target_names(&self) -> BTreeSet<&str> {
+        self.layers
+            .values()
+            .flat_map(|t| match t {
+                Target::Whole(name) => vec![name.as_str()],
+                Target::Rows(slices) => slices.iter().map(|s| s.target.as_str()).collect(),
+            })
+            .collect()
     }
 
-    /// Target names → model names: the inverse renames, and each fused adapter split into its
-    /// parts.
-    pub fn invert(&self, set: &AdapterSet) -> Result<AdapterSet, LoraError> {
+    /// Model names → target names. Fails naming the first module the map does not know.
+    pub fn to_target(&self, set: &AdapterSet) -> Result<AdapterSet, LoraError> {
         let mut out = set.clone();
-        let mut adapters = out.take_adapters();
-        rename_all(&mut adapters, self.renames.iter().map(|(f, t)| (t, f)))?;
-        for fusion in &self.fusions {
-            if let Some(fused) = adapters.remove(&fusion.into) {
-                for ((name, _), part) in fusion.parts.iter().zip(split(fusion, &fused)?) {
-                    insert_new(&mut adapters, name, part)?;
+        let mut adapters = BTreeMap::new();
+        for (module, adapter) in out.take_adapters() {
+            match self.layers.get(&module) {
+                None => return Err(LoraError::Unnamed { module }),
+                Some(Target::Whole(target)) => insert_new(&mut adapters, target, adapter)?,
+                Some(Target::Rows(slices)) => {
+                    for (target, part) in split(&module, slices, &adapter)? {
+                        insert_new(&mut adapters, &target, part)?;
+                    }
                 }
             }
         }
         out.replace_adapters(adapters);
+        Ok(out)
+    }
+
+    /// Target names → model names. Fails listing every adapter whose name the map does not
+    /// know.
+    pub fn from_target(&self, set: &AdapterSet) -> Result<AdapterSet, LoraError> {
+        let mut out = set.clone();
+        let mut adapters = out.take_adapters();
+        let mut joined = BTreeMap::new();
+        for (module, target) in &self.layers {
+            let adapter = match target {
+                Target::Whole(name) => adapters.remove(name),
+                Target::Rows(slices) => {
+                    let mut names: Vec<&str> = slices.iter().map(|s| s.target.as_str()).collect();
+                    names.dedup();
+                    let parts: Vec<(&str, StoredAdapter)> = names
+                        .into_iter()
+                        .filter_map(|n| adapters.remove(n).map(|a| (n, a)))
+                        .collect();
+                    if parts.is_empty() {
+                        None
+                    } else {
+                        Some(join(slices, &parts)?)
+                    }
+                }
+            };
+            if let Some(adapter) = adapter {
+                joined.insert(module.clone(), adapter);
+            }
+        }
+        if !adapters.is_empty() {
+            return Err(LoraError::UnknownModules {
+                modules: adapters.into_keys().collect(),
+            });
+        }
+        out.replace_adapters(joined);
         Ok(out)
     }
 }
@@ -117,35 +153,19 @@ fn insert_new(
     adapter: StoredAdapter,
 ) -> Result<(), LoraError> {
     if adapters.insert(name.to_string(), adapter).is_some() {
-        return Err(LoraError::Mapping {
-            key: name.to_string(),
-            reason: "the mapping produces this name twice".into(),
-        });
+        return Err(mapping(name, "the mapping produces this name twice".into()));
     }
     Ok(())
 }
 
-fn rename_all<'a>(
-    adapters: &mut BTreeMap<String, StoredAdapter>,
-    pairs: impl Iterator<Item = (&'a String, &'a String)>,
-) -> Result<(), LoraError> {
-    let moved: Vec<(&String, StoredAdapter)> = pairs
-        .filter_map(|(from, to)| adapters.remove(from).map(|a| (to, a)))
-        .collect();
-    for (to, adapter) in moved {
-        insert_new(adapters, to, adapter)?;
-    }
-    Ok(())
-}
-
-fn not_fusable(key: &str, reason: String) -> LoraError {
+fn mapping(key: &str, reason: String) -> LoraError {
     LoraError::Mapping {
         key: key.to_string(),
         reason,
     }
 }
 
-/// The LoRA factors of an adapter as `(down, up, alpha)` matrices.
+/// The LoRA factors of an adapter as `(down, up, alpha)`; LoKr cannot be split or joined.
 fn lora_parts(name: &str, adapter: &StoredAdapter) -> Result<(Matrix, Matrix, f64), LoraError> {
     match adapter {
         StoredAdapter::Lora { down, up, alpha } => Ok((
@@ -153,157 +173,194 @@ fn lora_parts(name: &str, adapter: &StoredAdapter) -> Result<(Matrix, Matrix, f6
             Matrix::from_data(up),
             *alpha as f64,
         )),
-        StoredAdapter::Lokr { .. } => Err(not_fusable(
+        StoredAdapter::Lokr { .. } => Err(mapping(
             name,
-            "a LoKr update cannot be fused or split exactly; only LoRA can".into(),
+            "a LoKr update cannot be split across layers or joined exactly; only LoRA can".into(),
         )),
     }
 }
 
-/// Shape of the down matrix of a LoRA adapter.
-fn down_shape(adapter: &StoredAdapter) -> (Vec<usize>, DType) {
-    match adapter {
-        StoredAdapter::Lora { down, .. } => (down.shape.to_vec(), down.dtype),
-        StoredAdapter::Lokr { .. } => unreachable!("checked by lora_parts"),
-    }
-}
-
-fn fuse(fusion: &Fusion, parts: &[Option<StoredAdapter>]) -> Result<StoredAdapter, LoraError> {
-    let mut factors = Vec::new();
-    let mut tail: Option<Vec<usize>> = None;
-    let mut dtype = DType::F32;
-    for ((name, rows), adapter) in fusion.parts.iter().zip(parts) {
-        let Some(adapter) = adapter else { continue };
-        let (down, up, alpha) = lora_parts(name, adapter)?;
-        let (shape, part_dtype) = down_shape(adapter);
-        let expected = tail.get_or_insert_with(|| {
-            dtype = part_dtype;
-            shape[1..].to_vec()
-        });
-        if shape[1..] != expected[..] {
-            return Err(LoraError::Shape {
-                key: name.clone(),
-                expected: [vec![down.rows], expected.clone()].concat(),
-                found: shape,
-            });
-        }
-        if up.rows != *rows {
-            return Err(not_fusable(
-                name,
-                format!("has {} outputs, the fusion declares {rows}", up.rows),
-            ));
-        }
-        factors.push((name.as_str(), down, up, alpha));
-    }
-    let tail = tail.expect("at least one part is present");
-    let rank: usize = factors.iter().map(|f| f.1.rows).sum();
-    let outputs: usize = fusion.parts.iter().map(|(_, d)| d).sum();
-    let scales: Vec<f64> = factors
+/// The output rows of a model layer described by `slices`.
+fn model_rows(slices: &[RowSlice]) -> usize {
+    slices
         .iter()
-        .map(|(_, d, _, a)| a / d.rows as f64)
-        .collect();
-    let shared = scales.iter().all(|s| *s == scales[0]);
-    let alpha = if shared {
-        scales[0] * rank as f64
-    } else {
-        rank as f64
-    };
-
-    let mut down = Matrix::zeros(rank, factors[0].1.cols);
-    let mut up = Matrix::zeros(outputs, rank);
-    let (mut row, mut col, mut next) = (0, 0, 0);
-    for (name, rows) in &fusion.parts {
-        if let Some((part, d, u, _)) = factors.get(next)
-            && part == name
-        {
-            down.set_block(col, 0, d);
-            if shared {
-                up.set_block(row, col, u);
-            } else {
-                up.set_block(row, col, &u.clone().scaled(scales[next]));
-            }
-            col += d.rows;
-            next += 1;
-        }
-        row += rows;
-    }
-    let up_shape = if tail.len() == 3 {
-        vec![outputs, rank, 1, 1]
-    } else {
-        vec![outputs, rank]
-    };
-    Ok(StoredAdapter::Lora {
-        down: down.into_data([vec![rank], tail].concat(), dtype),
-        up: up.into_data(up_shape, dtype),
-        alpha: alpha as f32,
-    })
+        .map(|s| s.to + s.rows.len())
+        .max()
+        .unwrap_or(0)
 }
 
-fn split(fusion: &Fusion, fused: &StoredAdapter) -> Result<Vec<StoredAdapter>, LoraError> {
-    let (down, up, alpha) = lora_parts(&fusion.into, fused)?;
+/// Each target's adapter: the shared `down` and the target's rows of `up`, or only its own
+/// columns when `up` is block diagonal over the targets.
+fn split(
+    module: &str,
+    slices: &[RowSlice],
+    adapter: &StoredAdapter,
+) -> Result<Vec<(String, StoredAdapter)>, LoraError> {
+    let (down, up, alpha) = lora_parts(module, adapter)?;
     let StoredAdapter::Lora {
         down: down_data,
         up: up_data,
         ..
-    } = fused
+    } = adapter
     else {
         unreachable!("lora_parts accepted it")
     };
-    let dims: Vec<usize> = fusion.parts.iter().map(|(_, d)| *d).collect();
-    let outputs: usize = dims.iter().sum();
-    if up.rows != outputs {
-        return Err(not_fusable(
-            &fusion.into,
-            format!("has {} outputs, the parts declare {outputs}", up.rows),
+    let rows = model_rows(slices);
+    if up.rows != rows {
+        return Err(mapping(
+            module,
+            format!("has {} outputs, the layout's layers have {rows}", up.rows),
         ));
     }
-    let n = dims.len();
+    let mut targets: Vec<(&str, usize, Vec<&RowSlice>)> = Vec::new();
+    for slice in slices {
+        match targets.iter_mut().find(|(t, _, _)| *t == slice.target) {
+            Some((_, _, list)) => list.push(slice),
+            None => targets.push((&slice.target, slice.len, vec![slice])),
+        }
+    }
+    let blocks = diagonal_blocks(&up, &targets);
     let rank = down.rows;
-    let part_rank = rank / n;
-    let offsets: Vec<usize> = dims
+    let dtype = down_data.dtype;
+    let tail = down_data.shape[1..].to_vec();
+    let up_tail = up_data.shape[2..].to_vec();
+    Ok(targets
         .iter()
-        .scan(0, |acc, d| {
-            let start = *acc;
-            *acc += d;
-            Some(start)
+        .enumerate()
+        .map(|(i, (target, len, list))| {
+            let cols = blocks.as_ref().map_or(0..rank, |b| b[i].clone());
+            let mut part_up = Matrix::zeros(*len, cols.len());
+            for s in list {
+                let block = up.block(s.to, s.rows.len(), cols.start, cols.len());
+                part_up.set_block(s.rows.start, 0, &block);
+            }
+            let part_down = down.rows_range(cols.start, cols.len());
+            let part_alpha = alpha * cols.len() as f64 / rank as f64;
+            let part = StoredAdapter::Lora {
+                down: part_down.into_data([vec![cols.len()], tail.clone()].concat(), dtype),
+                up: part_up.into_data([vec![*len, cols.len()], up_tail.clone()].concat(), dtype),
+                alpha: part_alpha as f32,
+            };
+            (target.to_string(), part)
         })
-        .collect();
-    let block_diagonal = rank.is_multiple_of(n)
-        && (0..n).all(|j| {
+        .collect())
+}
+
+/// The column range of each target when `up` (not all zero) is block diagonal with equal
+/// blocks, one per target in order; `None` otherwise.
+fn diagonal_blocks(
+    up: &Matrix,
+    targets: &[(&str, usize, Vec<&RowSlice>)],
+) -> Option<Vec<Range<usize>>> {
+    let n = targets.len();
+    if n < 2 || !up.cols.is_multiple_of(n) || up.values.iter().all(|v| *v == 0.0) {
+        return None;
+    }
+    let width = up.cols / n;
+    let blocks: Vec<Range<usize>> = (0..n).map(|j| j * width..(j + 1) * width).collect();
+    let diagonal = targets.iter().enumerate().all(|(j, (_, _, list))| {
+        list.iter().all(|s| {
             (0..n).filter(|&k| k != j).all(|k| {
-                up.block(offsets[j], dims[j], k * part_rank, part_rank)
+                up.block(s.to, s.rows.len(), k * width, width)
                     .values
                     .iter()
                     .all(|v| *v == 0.0)
             })
-        });
-    let tail = down_data.shape[1..].to_vec();
-    let up_tail = up_data.shape[2..].to_vec();
-    let dtype = down_data.dtype;
-    Ok((0..n)
-        .map(|j| {
-            let (d, u, a, r) = if block_diagonal {
-                (
-                    down.rows_range(j * part_rank, part_rank),
-                    up.block(offsets[j], dims[j], j * part_rank, part_rank),
-                    alpha / n as f64,
-                    part_rank,
-                )
-            } else {
-                (
-                    down.clone(),
-                    up.rows_range(offsets[j], dims[j]),
-                    alpha,
-                    rank,
-                )
-            };
-            StoredAdapter::Lora {
-                down: d.into_data([vec![r], tail.clone()].concat(), dtype),
-                up: u.into_data([vec![dims[j], r], up_tail.clone()].concat(), dtype),
-                alpha: a as f32,
-            }
         })
-        .collect())
+    });
+    diagonal.then_some(blocks)
+}
+
+/// One model adapter from the adapters of its target layers.
+fn join(slices: &[RowSlice], parts: &[(&str, StoredAdapter)]) -> Result<StoredAdapter, LoraError> {
+    let factors = parts
+        .iter()
+        .map(|(name, adapter)| {
+            let (down, up, alpha) = lora_parts(name, adapter)?;
+            let len = slices
+                .iter()
+                .find(|s| s.target == *name)
+                .map_or(0, |s| s.len);
+            if up.rows != len {
+                return Err(mapping(
+                    name,
+                    format!("has {} outputs, the layout declares {len}", up.rows),
+                ));
+            }
+            Ok((*name, down, up, alpha))
+        })
+        .collect::<Result<Vec<_>, LoraError>>()?;
+    let StoredAdapter::Lora {
+        down: first_down,
+        up: first_up,
+        alpha: first_alpha,
+    } = &parts[0].1
+    else {
+        unreachable!("lora_parts accepted it")
+    };
+    for (name, down, _, _) in &factors[1..] {
+        if down.cols != factors[0].1.cols {
+            return Err(LoraError::Shape {
+                key: name.to_string(),
+                expected: vec![down.rows, factors[0].1.cols],
+                found: vec![down.rows, down.cols],
+            });
+        }
+    }
+    let shared_down = parts.iter().all(|(_, a)| {
+        matches!(a, StoredAdapter::Lora { down, alpha, .. } if down == first_down && alpha == first_alpha)
+    });
+    let columns: Vec<usize> = if shared_down {
+        vec![0; factors.len()]
+    } else {
+        factors
+            .iter()
+            .scan(0, |acc, f| {
+                let start = *acc;
+                *acc += f.1.rows;
+                Some(start)
+            })
+            .collect()
+    };
+    let scales: Vec<f64> = factors.iter().map(|f| f.3 / f.1.rows as f64).collect();
+    let same_scale = scales.iter().all(|s| *s == scales[0]);
+    let (down, rank) = if shared_down {
+        (factors[0].1.clone(), factors[0].1.rows)
+    } else {
+        let rank: usize = factors.iter().map(|f| f.1.rows).sum();
+        let mut down = Matrix::zeros(rank, factors[0].1.cols);
+        for (f, col) in factors.iter().zip(&columns) {
+            down.set_block(*col, 0, &f.1);
+        }
+        (down, rank)
+    };
+    let mut up = Matrix::zeros(model_rows(slices), rank);
+    for slice in slices {
+        let Some(i) = factors.iter().position(|f| f.0 == slice.target) else {
+            continue;
+        };
+        let part = factors[i]
+            .2
+            .block(slice.rows.start, slice.rows.len(), 0, factors[i].2.cols);
+        let part = if same_scale {
+            part
+        } else {
+            part.scaled(scales[i])
+        };
+        up.set_block(slice.to, columns[i], &part);
+    }
+    let alpha = if same_scale {
+        scales[0] * rank as f64
+    } else {
+        rank as f64
+    };
+    let tail = first_down.shape[1..].to_vec();
+    let up_shape = [vec![up.rows, rank], first_up.shape[2..].to_vec()].concat();
+    Ok(StoredAdapter::Lora {
+        down: down.into_data([vec![rank], tail].concat(), first_down.dtype),
+        up: up.into_data(up_shape, first_up.dtype),
+        alpha: alpha as f32,
+    })
 }
 
 #[cfg(test)]
@@ -321,10 +378,40 @@ mod tests {
         }
     }
 
-    fn qkv_map() -> NameMap {
+    fn slice(target: &str, len: usize, rows: Range<usize>, to: usize) -> RowSlice {
+        RowSlice {
+            target: target.into(),
+            len,
+            rows,
+            to,
+        }
+    }
+
+    /// BFL-style `qkv` (3 × 3 rows) over diffusers-style `q`, `k`, `v`; a final layer whose
+    /// halves are swapped; an MLP renamed.
+    fn map() -> NameMap {
         NameMap::new()
-            .fuse("attn.qkv", &[("attn.q", 3), ("attn.k", 3), ("attn.v", 3)])
-            .rename("mlp.fc", "mlp.0")
+            .split(
+                "attn.qkv",
+                vec![
+                    slice("attn.q", 3, 0..3, 0),
+                    slice("attn.k", 3, 0..3, 3),
+                    slice("attn.v", 3, 0..3, 6),
+                ],
+            )
+            .split(
+                "final",
+                vec![slice("norm_out", 4, 2..4, 0), slice("norm_out", 4, 0..2, 2)],
+            )
+            .rename("mlp.lin1", "mlp.0")
+    }
+
+    fn set(adapters: &[(&str, StoredAdapter)]) -> AdapterSet {
+        let mut set = AdapterSet::new(LoraMetadata::default());
+        for (name, adapter) in adapters {
+            set.insert(*name, adapter.clone());
+        }
+        set
     }
 
     fn assert_close(a: &[f64], b: &[f64]) {
@@ -334,66 +421,89 @@ mod tests {
         }
     }
 
+    /// Rows `rows` of a `cols`-wide row-major matrix.
+    fn rows(values: &[f64], cols: usize, rows: Range<usize>) -> Vec<f64> {
+        values[rows.start * cols..rows.end * cols].to_vec()
+    }
+
     #[test]
-    fn fused_delta_is_the_stack_of_part_deltas_and_splits_back() {
-        let mut set = AdapterSet::new(LoraMetadata::default());
+    fn split_parts_share_down_and_carry_their_rows() {
+        let qkv = lora(2, 4, 9, 3.0, 0.0);
+        let fin = lora(2, 4, 4, 1.0, 7.0);
+        let mlp = lora(1, 4, 5, 0.5, 3.0);
+        let model = set(&[
+            ("attn.qkv", qkv.clone()),
+            ("final", fin.clone()),
+            ("mlp.lin1", mlp.clone()),
+        ]);
+        let target = map().to_target(&model).unwrap();
+        assert_eq!(target.get("mlp.0"), Some(&mlp));
+        let (_, cols, full) = qkv.delta();
+        for (i, part) in ["attn.q", "attn.k", "attn.v"].iter().enumerate() {
+            let adapter = target.get(part).unwrap();
+            assert_eq!((adapter.rank(), adapter.alpha()), (Some(2), 3.0), "{part}");
+            assert_close(&adapter.delta().2, &rows(&full, cols, 3 * i..3 * i + 3));
+        }
+        // norm_out rows 2..4 are the model's rows 0..2 and the other way round.
+        let (_, cols, fin_delta) = fin.delta();
+        let swapped = [rows(&fin_delta, cols, 2..4), rows(&fin_delta, cols, 0..2)].concat();
+        assert_close(&target.get("norm_out").unwrap().delta().2, &swapped);
+
+        // And back to exactly the model's adapters.
+        assert_eq!(map().from_target(&target).unwrap(), model);
+    }
+
+    #[test]
+    fn separately_trained_parts_join_block_diagonally_and_split_back() {
         let parts = [
             lora(2, 4, 3, 1.0, 0.0),
             lora(2, 4, 3, 1.0, 5.0),
             lora(2, 4, 3, 1.0, 9.0),
         ];
-        for (name, part) in ["attn.q", "attn.k", "attn.v"].iter().zip(&parts) {
-            set.insert(*name, part.clone());
-        }
-        set.insert("mlp.fc", lora(1, 4, 2, 0.5, 3.0));
-        let mapped = qkv_map().apply(&set).unwrap();
-        assert!(mapped.get("attn.q").is_none() && mapped.get("mlp.fc").is_none());
-        assert_eq!(mapped.get("mlp.0"), set.get("mlp.fc"));
-        let fused = mapped.get("attn.qkv").unwrap();
-        assert_eq!(fused.rank(), Some(6));
-        assert_eq!(fused.alpha(), 3.0);
-        let expected: Vec<f64> = parts.iter().flat_map(|p| p.delta().2).collect();
-        assert_close(&fused.delta().2, &expected);
-
-        let back = qkv_map().invert(&mapped).unwrap();
-        for (name, part) in ["attn.q", "attn.k", "attn.v"].iter().zip(&parts) {
-            assert_eq!(back.get(name), Some(part), "{name}");
-        }
-        assert_eq!(back.get("mlp.fc"), set.get("mlp.fc"));
+        let target = set(&[
+            ("attn.q", parts[0].clone()),
+            ("attn.k", parts[1].clone()),
+            ("attn.v", parts[2].clone()),
+        ]);
+        let model = map().from_target(&target).unwrap();
+        let fused = model.get("attn.qkv").unwrap();
+        assert_eq!((fused.rank(), fused.alpha()), (Some(6), 3.0));
+        let stacked: Vec<f64> = parts.iter().flat_map(|p| p.delta().2).collect();
+        assert_close(&fused.delta().2, &stacked);
+        // The block-diagonal up splits into the original rank-2 parts.
+        assert_eq!(map().to_target(&model).unwrap(), target);
     }
 
     #[test]
-    fn unequal_scales_and_missing_parts_keep_each_delta() {
-        let mut set = AdapterSet::new(LoraMetadata::default());
+    fn unequal_scales_and_missing_parts_keep_each_update() {
         let q = lora(2, 4, 3, 1.0, 0.0);
         let v = lora(1, 4, 3, 4.0, 2.0);
-        set.insert("attn.q", q.clone());
-        set.insert("attn.v", v.clone());
-        let fused = qkv_map().apply(&set).unwrap();
-        let fused = fused.get("attn.qkv").unwrap();
+        let model = map()
+            .from_target(&set(&[("attn.q", q.clone()), ("attn.v", v.clone())]))
+            .unwrap();
         let expected: Vec<f64> = [q.delta().2, vec![0.0; 12], v.delta().2].concat();
-        assert_close(&fused.delta().2, &expected);
+        assert_close(&model.get("attn.qkv").unwrap().delta().2, &expected);
     }
 
     #[test]
-    fn shared_down_splits_into_full_rank_parts() {
-        let mut set = AdapterSet::new(LoraMetadata::default());
-        let fused = lora(3, 4, 9, 1.5, 1.0);
-        set.insert("attn.qkv", fused.clone());
-        let parts = qkv_map().invert(&set).unwrap();
-        let deltas: Vec<f64> = ["attn.q", "attn.k", "attn.v"]
-            .iter()
-            .flat_map(|n| parts.get(n).unwrap().delta().2)
-            .collect();
-        assert_close(&deltas, &fused.delta().2);
-        assert_eq!(parts.get("attn.k").unwrap().rank(), Some(3));
-    }
-
-    #[test]
-    fn wrong_part_size_is_an_error_naming_the_part() {
-        let mut set = AdapterSet::new(LoraMetadata::default());
-        set.insert("attn.k", lora(2, 4, 5, 1.0, 0.0));
-        let err = qkv_map().apply(&set).unwrap_err().to_string();
-        assert!(err.contains("attn.k") && err.contains("5 outputs"), "{err}");
+    fn unnamed_modules_and_unknown_layers_are_errors_naming_them() {
+        let err = map()
+            .to_target(&set(&[("mlp.lin2", lora(1, 4, 2, 1.0, 0.0))]))
+            .unwrap_err();
+        assert!(
+            matches!(&err, LoraError::Unnamed { module } if module == "mlp.lin2"),
+            "{err}"
+        );
+        let err = map()
+            .from_target(&set(&[
+                ("mlp.0", lora(1, 4, 5, 1.0, 0.0)),
+                ("te.fc", lora(1, 4, 2, 1.0, 0.0)),
+            ]))
+            .unwrap_err();
+        assert!(err.to_string().ends_with(": te.fc"), "{err}");
+        let err = map()
+            .to_target(&set(&[("attn.qkv", lora(1, 4, 8, 1.0, 0.0))]))
+            .unwrap_err();
+        assert!(err.to_string().contains("8 outputs"), "{err}");
     }
 }

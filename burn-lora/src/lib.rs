@@ -83,36 +83,46 @@
 //! | --- | --- | --- |
 //! | kohya | `lora_unet_<path_with_underscores>.lora_down.weight`, `.lora_up.weight` | `.alpha` f32 scalar |
 //! | PEFT / diffusers | `transformer.<path>.lora_A.weight`, `.lora_B.weight` | `lora_adapter_metadata`, or baked into `lora_B` |
-//! | LoKr (either naming) | `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a` + `.lokr_w2_b` | `.alpha` f32 scalar |
+//! | ai-toolkit | `diffusion_model.<path>.lora_A.weight`, `.lora_B.weight` | `.alpha` f32 scalar |
+//! | LoKr (any naming) | `.lokr_w1`, `.lokr_w2` or `.lokr_w2_a` + `.lokr_w2_b` | `.alpha` f32 scalar |
 //!
 //! [`save`] writes atomically and records rank, alpha, network type, base model and step in
 //! the metadata; [`load`] detects the style (PEFT alphas also come from an
-//! `adapter_config.json` next to the file); [`convert`] rewrites a file in the other style.
+//! `adapter_config.json` next to the file); [`convert`] rewrites a file in another style.
 //! Layout follows PyTorch: `down` is `[rank, in]` (`[rank, in, kh, kw]` for a convolution),
 //! `up` is `[out, rank]` (`[out, rank, 1, 1]`).
 //!
 //! # Names for other tools
 //!
-//! A model crate describes how its module paths differ from a tool's with a [`NameMap`]:
-//! renames, and fusions such as diffusers' `attn.to_q`, `to_k`, `to_v` into BFL's
-//! `img_attn.qkv`. LoRAs on the parts become one LoRA on the fused weight with stacked down
-//! and block-diagonal up matrices, which ComfyUI and diffusers both load as the original
-//! per-part updates (see [`NameMap`] and the fixture tests).
+//! Other tools find a LoRA's layers by the names of a checkpoint layout they know: kohya and
+//! ai-toolkit files use the original checkpoint's module paths (BFL's `img_mlp.0`), PEFT
+//! files diffusers' (`ff.net.0.proj`). A model crate describes both once with a
+//! [`LayoutNames`] of two [`NameMap`]s, built from the table that names its checkpoint
+//! tensors: renames, and splits of fused layers such as BFL's `img_attn.qkv` into diffusers'
+//! `attn.to_q`, `to_k`, `to_v`. [`LayoutNames::save`] writes a model's adapters under the
+//! format's names (a module without one is an error, never an unloadable key) and
+//! [`LayoutNames::load`] reads any layout back into the model's paths.
 //!
 //! ```
-//! use burn_lora::NameMap;
+//! use burn_lora::{NameMap, RowSlice};
 //!
 //! let hidden = 3072;
-//! let flux = (0..19).fold(NameMap::new(), |map, i| {
+//! let diffusers = (0..19).fold(NameMap::new(), |map, i| {
 //!     let attn = format!("transformer_blocks.{i}.attn");
-//!     let parts = ["to_q", "to_k", "to_v"].map(|p| format!("{attn}.{p}"));
-//!     map.fuse(
-//!         format!("double_blocks.{i}.img_attn.qkv"),
-//!         &[(&parts[0], hidden), (&parts[1], hidden), (&parts[2], hidden)],
-//!     )
-//!     .rename(format!("{attn}.to_out.0"), format!("double_blocks.{i}.img_attn.proj"))
+//!     let slices = ["to_q", "to_k", "to_v"]
+//!         .iter()
+//!         .enumerate()
+//!         .map(|(j, p)| RowSlice {
+//!             target: format!("{attn}.{p}"),
+//!             len: hidden,
+//!             rows: 0..hidden,
+//!             to: j * hidden,
+//!         })
+//!         .collect();
+//!     map.split(format!("double_blocks.{i}.img_attn.qkv"), slices)
+//!         .rename(format!("double_blocks.{i}.img_attn.proj"), format!("{attn}.to_out.0"))
 //! });
-//! # let _ = flux;
+//! assert!(diffusers.target_names().contains("transformer_blocks.3.attn.to_k"));
 //! ```
 #![warn(missing_docs)]
 
@@ -130,8 +140,8 @@ mod set;
 pub use adapter::{Adapter, AdapterKind, Geometry, LokrWeights, LoraWeights};
 pub use config::{AdapterConfig, LokrConfig, LoraConfig, factorize};
 pub use error::LoraError;
-pub use format::{ConvertReport, Format, PeftAlpha, SaveOptions, convert, load, save};
-pub use keymap::NameMap;
+pub use format::{ConvertReport, Format, LayoutNames, PeftAlpha, SaveOptions, convert, load, save};
+pub use keymap::{NameMap, RowSlice};
 pub use layer::{Adapted, BaseLayer, LoraConv2d, LoraLinear};
 pub use model::{
     LayerInfo, LoadReport, adapted_layers, export, load_adapters, merge, set_multiplier, unmerge,

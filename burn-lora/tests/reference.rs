@@ -6,8 +6,8 @@ mod common;
 
 use burn::tensor::DType;
 use burn_lora::{
-    AdapterSet, Format, LoraMetadata, NameMap, PeftAlpha, SaveOptions, export, load, load_adapters,
-    save,
+    AdapterSet, Format, LoraMetadata, NameMap, PeftAlpha, RowSlice, SaveOptions, export, load,
+    load_adapters, save,
 };
 use common::{Fixture, Tiny, fixture, reference_input, reference_output, rel_err, tiny_model};
 
@@ -131,12 +131,19 @@ fn every_fixture_round_trips_through_every_style() {
     }
 }
 
+/// BFL's fused `qkv` of a width-8 double block and the diffusers layers it splits into.
 fn qkv_map() -> NameMap {
-    let parts = ["to_q", "to_k", "to_v"].map(|p| format!("transformer_blocks.0.attn.{p}"));
-    NameMap::new().fuse(
-        "double_blocks.0.img_attn.qkv",
-        &[(&parts[0], 8), (&parts[1], 8), (&parts[2], 8)],
-    )
+    let slices = ["to_q", "to_k", "to_v"]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| RowSlice {
+            target: format!("transformer_blocks.0.attn.{p}"),
+            len: 8,
+            rows: 0..8,
+            to: 8 * i,
+        })
+        .collect();
+    NameMap::new().split("double_blocks.0.img_attn.qkv", slices)
 }
 
 /// Split q, k, v LoRAs (diffusers names) written with BFL names become the exact file the
@@ -145,7 +152,7 @@ fn qkv_map() -> NameMap {
 fn split_qkv_fuses_into_the_file_comfyui_and_diffusers_load() {
     let split = load(&fixture("qkv_split.safetensors")).unwrap();
     assert_eq!(split.len(), 3);
-    let fused = qkv_map().apply(&split).unwrap();
+    let fused = qkv_map().from_target(&split).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("qkv.safetensors");
     save(&fused, &path, &SaveOptions::kohya()).unwrap();
@@ -178,7 +185,7 @@ fn split_qkv_fuses_into_the_file_comfyui_and_diffusers_load() {
     // And back: BFL file → diffusers names gives the original adapters.
     let mut bfl: AdapterSet = load(&fixture("qkv_fused_kohya.safetensors")).unwrap();
     bfl.resolve_names(["double_blocks.0.img_attn.qkv"]).unwrap();
-    let back = qkv_map().invert(&bfl).unwrap();
+    let back = qkv_map().to_target(&bfl).unwrap();
     for (name, adapter) in split.iter() {
         let b = back.get(name).unwrap();
         assert_eq!(b.rank(), Some(2), "{name}");

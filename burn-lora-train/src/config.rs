@@ -278,7 +278,8 @@ pub struct SaveYaml {
     /// How many step checkpoints to keep (older ones are deleted).
     #[serde(default = "defaults::keep")]
     pub max_step_saves_to_keep: usize,
-    /// File format of the LoRA: `kohya` or `peft`.
+    /// File format of the LoRA: `kohya` (ComfyUI, kohya, Forge), `peft` or `diffusers`
+    /// (diffusers / PEFT), `ai-toolkit` (ComfyUI, ai-toolkit).
     #[serde(default = "defaults::format")]
     pub format: String,
     /// dtype of the saved LoRA weights: `bf16`, `f16` or `f32`.
@@ -1292,7 +1293,12 @@ fn check_save(c: &mut Checker, s: &SaveYaml) -> Option<SavePlan> {
     let format = c.choose(
         "save.format",
         &s.format,
-        &[("kohya", Format::Kohya), ("peft", Format::Peft)],
+        &[
+            ("kohya", Format::Kohya),
+            ("peft", Format::Peft),
+            ("diffusers", Format::Peft),
+            ("ai-toolkit", Format::AiToolkit),
+        ],
     );
     let dtype = c.choose("save.dtype", &s.dtype, DTYPES);
     Some(SavePlan {

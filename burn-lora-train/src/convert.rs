@@ -1,17 +1,24 @@
 //! `burnlora convert-lora`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use burn_lora::{Format, convert};
+use burn_lora::Format;
+use burn_lora_train::config::{ModelFiles, ModelSource};
+use burn_lora_train::lora_names;
 
 /// Arguments of `burnlora convert-lora`.
 #[derive(clap::Args)]
 pub struct ConvertArgs {
-    /// Target format: `kohya` (ComfyUI, kohya / LyCORIS) or `peft` (diffusers / PEFT).
+    /// Target format: `kohya` (ComfyUI, kohya's tools, Forge), `peft` (diffusers / PEFT) or
+    /// `ai-toolkit` (ComfyUI, ai-toolkit).
     #[arg(long, value_enum)]
     to: Target,
-    /// The LoRA file to read (any supported format).
+    /// The model the LoRA is for: `flux1` (FLUX.1-dev and schnell), `tiny` (the built-in tiny
+    /// model), or a FLUX.1 transformer checkpoint (file or folder) to read the shape from.
+    #[arg(long, default_value = "flux1")]
+    model: String,
+    /// The LoRA file to read: kohya, PEFT / diffusers, ai-toolkit or OneTrainer layout.
     input: PathBuf,
     /// The file to write (atomically).
     output: PathBuf,
@@ -21,6 +28,7 @@ pub struct ConvertArgs {
 enum Target {
     Kohya,
     Peft,
+    AiToolkit,
 }
 
 /// Converts the file and prints what was carried over.
@@ -28,19 +36,30 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     let to = match args.to {
         Target::Kohya => Format::Kohya,
         Target::Peft => Format::Peft,
+        Target::AiToolkit => Format::AiToolkit,
     };
-    let report = convert(&args.input, &args.output, to).with_context(|| {
-        format!(
-            "converting {} to {}",
-            args.input.display(),
-            args.output.display()
-        )
-    })?;
+    let source = match args.model.as_str() {
+        "flux1" => ModelSource::Random { guidance: true },
+        "tiny" => ModelSource::Tiny,
+        path => ModelSource::Files(ModelFiles::pipeline(Path::new(path))),
+    };
+    let names =
+        lora_names(&source).with_context(|| format!("reading the model `{}`", args.model))?;
+    let report = names
+        .convert(&args.input, &args.output, to)
+        .with_context(|| {
+            format!(
+                "converting {} to {}",
+                args.input.display(),
+                args.output.display()
+            )
+        })?;
     println!(
-        "{}: {} adapters, {} parameters",
+        "{}: {} adapters, {} parameters, {} layout",
         args.output.display(),
         report.adapters,
-        report.params
+        report.params,
+        to.name()
     );
     if !report.dropped.is_empty() {
         println!(

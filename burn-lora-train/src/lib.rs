@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dataset;
 mod models;
+pub use models::lora_names;
 pub mod optim;
 pub mod report;
 pub mod rng;

@@ -26,7 +26,7 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Run one forward pass of a FLUX.1 transformer on inputs from a file.
     Forward(forward::ForwardArgs),
-    /// Convert a LoRA file between the kohya and PEFT / diffusers layouts.
+    /// Convert a LoRA file between the kohya, PEFT / diffusers and ai-toolkit layouts.
     ConvertLora(convert::ConvertArgs),
     /// Train a LoRA from a YAML configuration (resuming the run's newest checkpoint if any).
     Train(train_command::TrainArgs),

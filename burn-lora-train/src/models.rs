@@ -15,6 +15,7 @@ use burn_diffusion::materialize;
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadConfig, StreamTarget, WeightStream, WireFormat};
 use burn_quant::Fp8Format;
 
@@ -36,7 +37,17 @@ pub(crate) struct TextEncoders<B: Backend> {
 
 /// The transformer's configuration, without loading its weights.
 pub(crate) fn flux_config(plan: &TrainPlan) -> Result<FluxConfig, TrainError> {
-    Ok(match &plan.model.source {
+    source_config(&plan.model.source)
+}
+
+/// The names the adapted layers of `source`'s transformer take in every LoRA file layout,
+/// read without loading its weights.
+pub fn lora_names(source: &ModelSource) -> Result<LayoutNames, TrainError> {
+    Ok(burn_diffusion::flux::lora_names(&source_config(source)?))
+}
+
+fn source_config(source: &ModelSource) -> Result<FluxConfig, TrainError> {
+    Ok(match source {
         ModelSource::Tiny => FluxConfig::new(64, 64, 32, 32, 32, 2, 2, 2, vec![4, 6, 6], true),
         ModelSource::Random { guidance: true } => FluxConfig::dev(),
         ModelSource::Random { guidance: false } => FluxConfig::schnell(),

@@ -151,6 +151,8 @@ pub fn train<B: StreamTarget>(
     let flux = models::transformer::<B>(plan, device, stream.as_ref())?;
     B::seed(device, plan.train.seed);
     let (mut flux, applied) = plan.network.lora.apply(flux);
+    let names = burn_diffusion::flux::lora_names(flux.config());
+    names.map(plan.save.format).check(&applied)?;
     models::initialize(&flux);
     tracing::info!(
         "{} layers adapted, {} trainable parameters",
@@ -284,7 +286,7 @@ pub fn train<B: StreamTarget>(
                 ..SaveOptions::for_format(plan.save.format)
             };
             let saved = run.save(&state, plan.save.keep, |tmp| {
-                burn_lora::save(&set, tmp, &options)
+                names.save(&set, tmp, &options)
             })?;
             loss_log.sync()?;
             plot_loss(loss_log.rows(), &run.path().join(crate::report::LOSS_PNG))?;

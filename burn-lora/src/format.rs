@@ -49,7 +49,8 @@ impl Format {
 /// Where a PEFT file keeps the LoRA alpha.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeftAlpha {
-    /// In the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`, `alpha_pattern`).
+    /// In the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`, `alpha_pattern`) and
+    /// as `.alpha` tensors, which ComfyUI reads.
     Metadata,
     /// Multiplied into `lora_B`, so that `alpha = rank`: what loaders assume without metadata.
     Baked,
@@ -184,9 +185,10 @@ fn scalar(value: f32) -> TensorData {
 /// Writes `set` to `path`, atomically (a temporary file in the same directory, synced, then
 /// renamed over `path`).
 ///
-/// Alpha is written as an f32 scalar `.alpha` tensor, except for LoRA in PEFT style, where it
-/// goes into the `lora_adapter_metadata` entry diffusers reads (`r`, `lora_alpha`,
-/// `rank_pattern`, `alpha_pattern`, `target_modules`) or is baked into `lora_B`.
+/// Alpha is written as an f32 scalar `.alpha` tensor. LoRA in PEFT style also records it in
+/// the `lora_adapter_metadata` entry diffusers reads (`r`, `lora_alpha`, `rank_pattern`,
+/// `alpha_pattern`, `target_modules`), since ComfyUI reads only the tensors and diffusers
+/// prefers the entry; or, with [`PeftAlpha::Baked`], multiplies it into `lora_B` instead.
 ///
 /// Metadata: `format = pt`, `ss_network_module` (`networks.lora` or `lycoris.kohya`),
 /// `ss_network_args` (`{"algo": "lora" | "locon" | "lokr"}`), `ss_network_dim` and
@@ -231,6 +233,7 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
                 match options.peft_alpha {
                     PeftAlpha::Metadata => {
                         push(Role::Up, up.clone());
+                        push(Role::Alpha, scalar(*alpha));
                         peft_alphas.push((name.to_string(), rank, *alpha));
                     }
                     PeftAlpha::Baked => {

@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use crate::LoraError;
+use crate::adapter::AdapterKind;
+use crate::plan::ApplyReport;
 use crate::set::{AdapterSet, Matrix, StoredAdapter};
 
 /// Output rows `rows` of the target layer `target` (which has `len` output rows in all) are the
@@ -89,6 +91,31 @@ impl NameMap {
                 Target::Rows(slices) => slices.iter().map(|s| s.target.as_str()).collect(),
             })
             .collect()
+    }
+
+    /// Checks, before any training, that every layer `report` adapted can be written under
+    /// this map's names: each has a name, and layers split across target layers carry LoRA
+    /// (a LoKr update cannot be split exactly).
+    pub fn check(&self, report: &ApplyReport) -> Result<(), LoraError> {
+        for layer in &report.wrapped {
+            match self.layers.get(&layer.path) {
+                None => {
+                    return Err(LoraError::Unnamed {
+                        module: layer.path.clone(),
+                    });
+                }
+                Some(Target::Rows(_)) if layer.kind == AdapterKind::Lokr => {
+                    return Err(mapping(
+                        &layer.path,
+                        "this layout splits the layer across several layers, which a LoKr \
+                         update cannot be; choose LoRA or another file format"
+                            .into(),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
     }
 
     /// Model names → target names. Fails naming the first module the map does not know.

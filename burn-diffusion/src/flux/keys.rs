@@ -9,7 +9,7 @@
 //! `(scale, shift)` where BFL stores `(shift, scale)`. A BFL layer is therefore described as a
 //! list of row ranges of diffusers layers.
 
-use std::ops::Range;
+use burn_lora::{LayoutNames, NameMap, RowSlice};
 
 use super::FluxConfig;
 
@@ -22,25 +22,11 @@ pub struct LinearKeys {
     /// `double_blocks.0.img_mlp.0`.
     pub bfl: String,
     /// Where the output rows live in diffusers files, in the order of this layer's rows.
-    pub diffusers: Vec<RowRange>,
+    pub diffusers: Vec<RowSlice>,
     /// Input features.
     pub d_input: usize,
     /// Output features.
     pub d_output: usize,
-}
-
-/// Output rows `[to, to + rows.len())` of a model layer are rows `rows` of the diffusers layer
-/// `module` (whose weight has `len` rows in all).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RowRange {
-    /// The diffusers layer, e.g. `transformer_blocks.0.attn.to_q`.
-    pub module: String,
-    /// Output rows of the diffusers layer.
-    pub len: usize,
-    /// Rows taken from it.
-    pub rows: Range<usize>,
-    /// First row of the model layer they fill.
-    pub to: usize,
 }
 
 /// A learned vector that is not part of a Linear (the RMS-norm scales of the attention).
@@ -173,14 +159,14 @@ pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
         module: "final_layer.ada_ln_modulation".into(),
         bfl: "final_layer.adaLN_modulation.1".into(),
         diffusers: vec![
-            RowRange {
-                module: "norm_out.linear".into(),
+            RowSlice {
+                target: "norm_out.linear".into(),
                 len: 2 * h,
                 rows: h..2 * h,
                 to: 0,
             },
-            RowRange {
-                module: "norm_out.linear".into(),
+            RowSlice {
+                target: "norm_out.linear".into(),
                 len: 2 * h,
                 rows: 0..h,
                 to: h,
@@ -190,6 +176,31 @@ pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
         d_output: 2 * h,
     });
     out
+}
+
+/// The names of every adapted layer of a model of this configuration in each LoRA file
+/// layout: BFL module paths for kohya and ai-toolkit files, diffusers paths (under
+/// `transformer.`) for PEFT files, where BFL's fused `qkv` and `linear1` split into diffusers'
+/// projections and the final modulation's halves swap. Built from [`linear_keys`], the table
+/// that loads checkpoints.
+pub fn lora_names(config: &FluxConfig) -> LayoutNames {
+    let (checkpoint, diffusers) = linear_keys(config).into_iter().fold(
+        (NameMap::new(), NameMap::new()),
+        |(checkpoint, diffusers), keys| {
+            let diffusers = match keys.diffusers.as_slice() {
+                [whole] if whole.rows.len() == whole.len => {
+                    diffusers.rename(&keys.module, &whole.target)
+                }
+                _ => diffusers.split(&keys.module, keys.diffusers),
+            };
+            (checkpoint.rename(&keys.module, keys.bfl), diffusers)
+        },
+    );
+    LayoutNames {
+        checkpoint,
+        diffusers,
+        diffusers_prefix: "transformer".into(),
+    }
 }
 
 /// A layer that is one diffusers layer, whole.
@@ -203,8 +214,8 @@ fn whole(
     LinearKeys {
         module,
         bfl,
-        diffusers: vec![RowRange {
-            module: diffusers,
+        diffusers: vec![RowSlice {
+            target: diffusers,
             len: d_output,
             rows: 0..d_output,
             to: 0,
@@ -222,10 +233,10 @@ fn stacked<'a>(
     d_input: usize,
 ) -> LinearKeys {
     let mut to = 0;
-    let diffusers: Vec<RowRange> = parts
+    let diffusers: Vec<RowSlice> = parts
         .map(|(name, len)| {
-            let range = RowRange {
-                module: name.to_string(),
+            let range = RowSlice {
+                target: name.to_string(),
                 len,
                 rows: 0..len,
                 to,
@@ -310,7 +321,7 @@ mod tests {
         let parts: Vec<_> = linear1
             .diffusers
             .iter()
-            .map(|r| (r.module.as_str(), r.to, r.rows.len()))
+            .map(|r| (r.target.as_str(), r.to, r.rows.len()))
             .collect();
         assert_eq!(
             parts,
@@ -323,13 +334,13 @@ mod tests {
         );
         let txt_qkv = find("double_blocks.0.txt_attn.qkv");
         assert_eq!(
-            txt_qkv.diffusers[2].module,
+            txt_qkv.diffusers[2].target,
             "transformer_blocks.0.attn.add_v_proj"
         );
         let mlp = find("double_blocks.0.txt_mlp.lin2");
         assert_eq!(mlp.bfl, "double_blocks.0.txt_mlp.2");
         assert_eq!(
-            mlp.diffusers[0].module,
+            mlp.diffusers[0].target,
             "transformer_blocks.0.ff_context.net.2"
         );
         assert_eq!((mlp.d_input, mlp.d_output), (256, 64));
@@ -356,7 +367,7 @@ mod tests {
             let covered: usize = k.diffusers.iter().map(|r| r.rows.len()).sum();
             assert_eq!(covered, k.d_output, "{}", k.module);
             for r in &k.diffusers {
-                rows.entry(&r.module).or_default().extend(r.rows.clone());
+                rows.entry(&r.target).or_default().extend(r.rows.clone());
                 assert!(r.rows.end <= r.len);
             }
         }
@@ -365,7 +376,7 @@ mod tests {
             let len = keys
                 .iter()
                 .flat_map(|k| &k.diffusers)
-                .find(|r| r.module == module)
+                .find(|r| r.target == module)
                 .unwrap()
                 .len;
             assert_eq!(used, (0..len).collect::<Vec<_>>(), "{module}");

@@ -15,7 +15,9 @@ use burn_quant::{Checkpoint, FloatBytes, FloatDtype, Fp8Format, TensorEntry, rea
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::keys::{LinearKeys, RowRange, VectorKeys, linear_keys, vector_keys};
+use burn_lora::RowSlice;
+
+use super::keys::{LinearKeys, VectorKeys, linear_keys, vector_keys};
 use super::{Flux, FluxConfig};
 use crate::error::{KeyReport, LoadError, ShapeMismatch};
 use crate::weights::{PlaceWeight, place_or_upload};
@@ -242,8 +244,8 @@ impl<B: Backend> Loader<'_, '_, '_, B> {
             let pieces = if diffusers {
                 keys.diffusers
                     .iter()
-                    .map(|r: &RowRange| Piece {
-                        key: format!("{}.{field}", r.module),
+                    .map(|r: &RowSlice| Piece {
+                        key: format!("{}.{field}", r.target),
                         len: r.len,
                         rows: r.rows.clone(),
                         to: r.to,

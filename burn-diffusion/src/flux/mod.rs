@@ -8,7 +8,7 @@ mod model;
 mod run;
 
 pub use config::FluxConfig;
-pub use keys::{LinearKeys, RowRange, linear_keys};
+pub use keys::{LinearKeys, linear_keys, lora_names};
 pub(crate) use load::read_f32;
 pub use load::{FluxCheckpoint, Layout};
 pub use model::{

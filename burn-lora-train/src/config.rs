@@ -140,6 +140,9 @@ pub struct NetworkYaml {
     /// Regular expressions searched in module paths: matching layers are left alone.
     #[serde(default)]
     pub exclude: Vec<String>,
+    /// A LoRA file to start from (kohya, PEFT / diffusers, ai-toolkit or OneTrainer layout):
+    /// its adapters, with their ranks and alphas, replace fresh ones on their layers.
+    pub pretrained_lora_path: Option<PathBuf>,
 }
 
 /// `model`: which model, where, and how its frozen weights reach the device.
@@ -521,6 +524,8 @@ pub struct NetworkPlan {
     pub kind: AdapterKind,
     /// Which layers get which adapter (patterns, ranks, alphas, dropout).
     pub lora: LoraPlan,
+    /// The LoRA file training starts from (absolute path).
+    pub pretrained: Option<PathBuf>,
 }
 
 /// Architecture of the base model.
@@ -854,7 +859,7 @@ impl TrainPlan {
             "expected letters, digits, `.`, `_` or `-` (it names files), not starting with `.`",
         );
 
-        let network = check_network(&mut c, &yaml.network);
+        let network = check_network(&mut c, &yaml.network, &resolve);
         let model = check_model(&mut c, &yaml.model, &resolve);
         let train = check_train(&mut c, &yaml.train);
         if yaml.datasets.is_empty() {
@@ -926,7 +931,11 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
     })
 }
 
-fn check_network(c: &mut Checker, n: &NetworkYaml) -> Option<NetworkPlan> {
+fn check_network(
+    c: &mut Checker,
+    n: &NetworkYaml,
+    resolve: &dyn Fn(&Path) -> PathBuf,
+) -> Option<NetworkPlan> {
     let kind = c.choose(
         "network.type",
         &n.kind,
@@ -989,7 +998,20 @@ fn check_network(c: &mut Checker, n: &NetworkYaml) -> Option<NetworkPlan> {
     for p in &n.exclude {
         plan = plan.exclude(p).expect("validated above");
     }
-    Some(NetworkPlan { kind, lora: plan })
+    let pretrained = n.pretrained_lora_path.as_deref().map(resolve);
+    if let Some(path) = &pretrained
+        && !path.is_file()
+    {
+        c.fail(
+            "network.pretrained_lora_path",
+            format!("{} is not a file", path.display()),
+        );
+    }
+    Some(NetworkPlan {
+        kind,
+        lora: plan,
+        pretrained,
+    })
 }
 
 fn check_model(

@@ -149,9 +149,18 @@ pub fn train<B: StreamTarget>(
         .map(|config| WeightStream::<TrainBackend<B>>::new(device, config))
         .transpose()?;
     let flux = models::transformer::<B>(plan, device, stream.as_ref())?;
+    let names = burn_diffusion::flux::lora_names(flux.config());
+    let flux = match &plan.network.pretrained {
+        Some(path) => {
+            let set = names.load(path)?.with_dtype(plan.model.dtype);
+            let (flux, report) = burn_lora::load_adapters(flux, set)?;
+            tracing::info!("{}: {report}", path.display());
+            flux
+        }
+        None => flux,
+    };
     B::seed(device, plan.train.seed);
     let (mut flux, applied) = plan.network.lora.apply(flux);
-    let names = burn_diffusion::flux::lora_names(flux.config());
     names.map(plan.save.format).check(&applied)?;
     models::initialize(&flux);
     tracing::info!(

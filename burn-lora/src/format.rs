@@ -22,7 +22,7 @@ use crate::set::{
 pub enum Format {
     /// kohya sd-scripts / LyCORIS: `lora_unet_<path_with_underscores>.lora_down.weight`.
     Kohya,
-    /// PEFT / diffusers: `transformer.<path>.lora_A.weight`, alpha in the metadata.
+    /// PEFT / diffusers: `transformer.<path>.lora_A.weight` and `.alpha`.
     Peft,
     /// ai-toolkit: `diffusion_model.<path>.lora_A.weight` with the checkpoint's module paths
     /// and an f32 `.alpha` per module.
@@ -49,8 +49,12 @@ impl Format {
 /// Where a PEFT file keeps the LoRA alpha.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeftAlpha {
-    /// In the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`, `alpha_pattern`) and
-    /// as `.alpha` tensors, which ComfyUI reads.
+    /// As f32 `.alpha` tensors, which ComfyUI reads and diffusers turns into its LoRA config
+    /// (`network_alphas`).
+    Tensors,
+    /// Only in the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`,
+    /// `alpha_pattern`), as diffusers' `save_lora_weights` writes it; ComfyUI, which does not
+    /// read it, then applies the file at scale 1.
     Metadata,
     /// Multiplied into `lora_B`, so that `alpha = rank`: what loaders assume without metadata.
     Baked,
@@ -76,12 +80,12 @@ impl SaveOptions {
         Self {
             format: Format::Kohya,
             prefix: None,
-            peft_alpha: PeftAlpha::Metadata,
+            peft_alpha: PeftAlpha::Tensors,
             dtype: None,
         }
     }
 
-    /// PEFT / diffusers naming with the `transformer` prefix and alpha in metadata.
+    /// PEFT / diffusers naming with the `transformer` prefix and `.alpha` tensors.
     pub fn peft() -> Self {
         Self {
             format: Format::Peft,
@@ -185,10 +189,10 @@ fn scalar(value: f32) -> TensorData {
 /// Writes `set` to `path`, atomically (a temporary file in the same directory, synced, then
 /// renamed over `path`).
 ///
-/// Alpha is written as an f32 scalar `.alpha` tensor. LoRA in PEFT style also records it in
-/// the `lora_adapter_metadata` entry diffusers reads (`r`, `lora_alpha`, `rank_pattern`,
-/// `alpha_pattern`, `target_modules`), since ComfyUI reads only the tensors and diffusers
-/// prefers the entry; or, with [`PeftAlpha::Baked`], multiplies it into `lora_B` instead.
+/// Alpha is written as an f32 scalar `.alpha` tensor, except for LoRA in PEFT style with
+/// [`PeftAlpha::Metadata`], where it goes into the `lora_adapter_metadata` entry diffusers
+/// reads (`r`, `lora_alpha`, `rank_pattern`, `alpha_pattern`, `target_modules`), or with
+/// [`PeftAlpha::Baked`], where it is multiplied into `lora_B`.
 ///
 /// Metadata: `format = pt`, `ss_network_module` (`networks.lora` or `lycoris.kohya`),
 /// `ss_network_args` (`{"algo": "lora" | "locon" | "lokr"}`), `ss_network_dim` and
@@ -227,23 +231,22 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
             tensors.push((format!("{module}{}", suffix(role)), data));
         };
         match (&adapter, options.format) {
-            (StoredAdapter::Lora { down, up, alpha }, Format::Peft) => {
-                let rank = down.shape[0];
+            (StoredAdapter::Lora { down, up, alpha }, Format::Peft)
+                if options.peft_alpha == PeftAlpha::Metadata =>
+            {
                 push(Role::Down, down.clone());
-                match options.peft_alpha {
-                    PeftAlpha::Metadata => {
-                        push(Role::Up, up.clone());
-                        push(Role::Alpha, scalar(*alpha));
-                        peft_alphas.push((name.to_string(), rank, *alpha));
-                    }
-                    PeftAlpha::Baked => {
-                        let scale = *alpha as f64 / rank as f64;
-                        let baked = Matrix::from_data(up)
-                            .scaled(scale)
-                            .into_data(up.shape.to_vec(), up.dtype);
-                        push(Role::Up, baked);
-                    }
-                }
+                push(Role::Up, up.clone());
+                peft_alphas.push((name.to_string(), down.shape[0], *alpha));
+            }
+            (StoredAdapter::Lora { down, up, alpha }, Format::Peft)
+                if options.peft_alpha == PeftAlpha::Baked =>
+            {
+                let scale = *alpha as f64 / down.shape[0] as f64;
+                let baked = Matrix::from_data(up)
+                    .scaled(scale)
+                    .into_data(up.shape.to_vec(), up.dtype);
+                push(Role::Down, down.clone());
+                push(Role::Up, baked);
             }
             (adapter, _) => {
                 for (role, data) in adapter.tensors() {

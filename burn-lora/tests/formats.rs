@@ -151,7 +151,9 @@ fn rank_1024_alpha_64_keeps_scale_one_sixteenth() {
                 assert_eq!(config["transformer.lora_alpha"], 64.0);
                 assert_eq!(config["transformer.r"], 1024);
             }
-            (_, PeftAlpha::Baked) => assert!(!metadata.contains_key("lora_adapter_metadata")),
+            (_, PeftAlpha::Baked | PeftAlpha::Tensors) => {
+                assert!(!metadata.contains_key("lora_adapter_metadata"))
+            }
         }
         assert_eq!(metadata["ss_network_dim"], "1024");
 

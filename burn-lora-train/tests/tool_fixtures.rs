@@ -225,3 +225,53 @@ fn full_width_parts_convert_to_the_kohya_file_diffusers_splits() {
     let linear1 = &ours["lora_unet_single_blocks_0_linear1.lora_up.weight"];
     assert_eq!(linear1.0, vec![3 * 3072 + 12288, 2]);
 }
+
+/// kohya → PEFT → ai-toolkit → kohya keeps every value and the scale of a rank-1024, alpha-64
+/// LoRA on the layers each layout names differently (fused `qkv` and `linear1`, the swapped
+/// final modulation, an MLP).
+#[test]
+fn round_trips_through_every_layout_keep_values_and_scale() {
+    let names = tiny_names();
+    let keys = linear_keys(&tiny_config());
+    let mut set = AdapterSet::default();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let rank = 1024;
+    for module in [
+        "double_blocks.0.img_attn.qkv",
+        "double_blocks.1.txt_mlp.lin1",
+        "single_blocks.1.linear1",
+        "final_layer.ada_ln_modulation",
+    ] {
+        let k = keys.iter().find(|k| k.module == module).unwrap();
+        let mut data = |rows: usize, cols: usize| {
+            let values: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+            burn::tensor::TensorData::new(values, [rows, cols])
+        };
+        let adapter = burn_lora::StoredAdapter::Lora {
+            down: data(rank, k.d_input),
+            up: data(k.d_output, rank),
+            alpha: 64.0,
+        };
+        set.insert(module, adapter);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut current = set.clone();
+    for (format, name) in [FORMATS[1], FORMATS[2], FORMATS[0]] {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        names
+            .save(&current, &path, &SaveOptions::for_format(format))
+            .unwrap();
+        current = names.load(&path).unwrap();
+        for (module, adapter) in set.iter() {
+            let back = current.get(module).unwrap();
+            assert_eq!(back, adapter, "{module} after {name}");
+            assert_eq!(back.scale(), 0.0625);
+        }
+    }
+}

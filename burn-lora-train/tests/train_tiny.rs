@@ -61,3 +61,30 @@ fn a_diverged_run_stops_with_a_checkpoint() {
         .collect();
     assert_eq!(saved.len(), 1, "{saved:?}");
 }
+
+/// `network.pretrained_lora_path`: a PEFT file (split `qkv` and `linear1` included) becomes the
+/// model's adapters, with their rank and alpha; at learning rate 0 the run saves them unchanged.
+#[test]
+fn a_run_starts_from_a_pretrained_lora_of_another_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut plan = plan(dir.path(), 1);
+    let pretrained = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tools/lora_peft.safetensors");
+    plan.network.pretrained = Some(pretrained.clone());
+    plan.train.lr = 0.0;
+    plan.save.dtype = burn::tensor::DType::F32;
+    let lora = run(&plan, Resume::Auto).unwrap().lora.unwrap();
+
+    let names = burn_lora_train::lora_names(&plan.model.source).unwrap();
+    let saved = names.load(&lora).unwrap();
+    let start = names.load(&pretrained).unwrap();
+    assert_eq!(saved.len(), start.len(), "the file adapts every layer");
+    for (name, adapter) in start.iter() {
+        assert_eq!(saved.get(name), Some(adapter), "{name}");
+    }
+    assert!(
+        start
+            .iter()
+            .all(|(_, a)| a.alpha() == 8.0 && a.rank() == Some(4))
+    );
+}

@@ -743,10 +743,10 @@ pub struct ConvertReport {
     pub dropped: Vec<String>,
 }
 
-/// Converts an adapter file to another naming style (`burnlora convert-lora --to kohya|peft`).
+/// Converts an adapter file to another naming style, keeping its module names (a model's
+/// [`LayoutNames::convert`] also renames them to the target layout's).
 ///
-/// Adapters, alphas and metadata are kept; PEFT output keeps the input's PEFT prefix and
-/// writes alpha into metadata. A kohya file from another tool has lost the dots of its module
+/// Adapters, alphas and metadata are kept; PEFT output keeps the input's PEFT prefix. A kohya file from another tool has lost the dots of its module
 /// paths: converting it to PEFT fails with [`LoraError::UnresolvedName`] (read it with [`load`],
 /// call [`AdapterSet::resolve_names`] with the model's module paths, then [`save`]).
 pub fn convert(input: &Path, output: &Path, to: Format) -> Result<ConvertReport, LoraError> {

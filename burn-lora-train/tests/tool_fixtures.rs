@@ -275,3 +275,33 @@ fn round_trips_through_every_layout_keep_values_and_scale() {
         }
     }
 }
+
+/// `burnlora convert-lora` turns the PEFT file into the kohya file the tools loaded, and
+/// refuses, naming the layer, a file whose shapes do not fit the model given.
+#[test]
+fn convert_lora_command_converts_and_names_what_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("kohya.safetensors");
+    let convert = |model: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_burnlora"))
+            .args(["convert-lora", "--to", "kohya", "--model", model])
+            .arg(fixture("lora_peft.safetensors"))
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let done = convert("tiny");
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert_eq!(read(&out).0, read(&fixture("lora_kohya.safetensors")).0);
+
+    std::fs::remove_file(&out).unwrap();
+    let refused = convert("flux1");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("outputs"), "{stderr}");
+    assert!(!out.exists(), "nothing is written");
+}

@@ -1,5 +1,5 @@
-//! Reading and writing adapter files (kohya / LyCORIS and PEFT / diffusers safetensors),
-//! atomically; see the crate documentation for the key layouts.
+//! Reading and writing adapter files (kohya / LyCORIS, PEFT / diffusers and ai-toolkit
+//! safetensors), atomically, and a model's names in each layout; see the crate documentation.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;

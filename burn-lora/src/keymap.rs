@@ -311,7 +311,7 @@ fn join(slices: &[RowSlice], parts: &[(&str, StoredAdapter)]) -> Result<StoredAd
             if up.rows != len {
                 return Err(mapping(
                     name,
-                    format!("has {} outputs, the layout declares {len}", up.rows),
+                    format!("has {} outputs, the model's layer has {len}", up.rows),
                 ));
             }
             Ok((*name, down, up, alpha))

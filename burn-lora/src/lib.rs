@@ -1,6 +1,6 @@
 //! LoRA, LoCon and LoKr adapters for Burn layers, trained while the base stays frozen, with
-//! the safetensors formats other tools load (kohya / LyCORIS, PEFT / diffusers). Works on any
-//! Burn backend.
+//! the safetensors formats other tools load (kohya / LyCORIS, PEFT / diffusers, ai-toolkit).
+//! Works on any Burn backend.
 //!
 //! ```
 //! use burn::backend::Flex;

@@ -746,9 +746,10 @@ pub struct ConvertReport {
 /// Converts an adapter file to another naming style, keeping its module names (a model's
 /// [`LayoutNames::convert`] also renames them to the target layout's).
 ///
-/// Adapters, alphas and metadata are kept; PEFT output keeps the input's PEFT prefix. A kohya file from another tool has lost the dots of its module
-/// paths: converting it to PEFT fails with [`LoraError::UnresolvedName`] (read it with [`load`],
-/// call [`AdapterSet::resolve_names`] with the model's module paths, then [`save`]).
+/// Adapters, alphas and metadata are kept; PEFT output keeps the input's PEFT prefix. A kohya
+/// file from another tool has lost the dots of its module paths: converting it to PEFT fails
+/// with [`LoraError::UnresolvedName`] (read it with [`load`], call
+/// [`AdapterSet::resolve_names`] with the model's module paths, then [`save`]).
 pub fn convert(input: &Path, output: &Path, to: Format) -> Result<ConvertReport, LoraError> {
     let set = load(input)?;
     let mut options = SaveOptions::for_format(to);
@@ -817,37 +818,32 @@ impl LayoutNames {
     /// model does not have are an error listing them.
     pub fn load(&self, path: &Path) -> Result<AdapterSet, LoraError> {
         let mut set = load(path)?;
-        let maps = [&self.checkpoint, &self.diffusers];
-        let known = |map: &NameMap| {
-            let names = map.target_names();
-            let flat: BTreeSet<String> = names.iter().map(|n| flatten_name(n)).collect();
-            set.iter()
-                .filter(|(n, _)| {
-                    if set.has_flat_names() {
-                        flat.contains(*n)
-                    } else {
-                        names.contains(n)
-                    }
-                })
-                .count()
-        };
-        let map = if known(maps[1]) > known(maps[0]) {
-            maps[1]
-        } else {
-            maps[0]
-        };
-        if set.has_flat_names() {
-            let names = map.target_names();
-            let unknown: Vec<String> = set
-                .iter()
-                .map(|(n, _)| n.to_string())
-                .filter(|n| !names.iter().any(|t| flatten_name(t) == *n))
-                .collect();
-            if !unknown.is_empty() {
-                return Err(LoraError::UnknownModules { modules: unknown });
+        // Each map's names as this file spells them (kohya files flatten dots to `_`).
+        let spelled = |map: &NameMap| -> BTreeSet<String> {
+            let names = map.target_names().into_iter();
+            if set.has_flat_names() {
+                names.map(flatten_name).collect()
+            } else {
+                names.map(str::to_string).collect()
             }
-            set.resolve_names(names)?;
+        };
+        let known =
+            |names: &BTreeSet<String>| set.iter().filter(|(n, _)| names.contains(*n)).count();
+        let (checkpoint, diffusers) = (spelled(&self.checkpoint), spelled(&self.diffusers));
+        let (map, names) = if known(&diffusers) > known(&checkpoint) {
+            (&self.diffusers, diffusers)
+        } else {
+            (&self.checkpoint, checkpoint)
+        };
+        let unknown: Vec<String> = set
+            .iter()
+            .filter(|(n, _)| !names.contains(*n))
+            .map(|(n, _)| n.to_string())
+            .collect();
+        if !unknown.is_empty() {
+            return Err(LoraError::UnknownModules { modules: unknown });
         }
+        set.resolve_names(map.target_names())?;
         map.from_target(&set)
     }
 

@@ -18,13 +18,15 @@
 //! 2e-3). The program exits with an error when a case fails or the fused path did not run.
 
 mod checks;
+mod kernels;
 mod timing;
 
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::blocks::{ScoreBias, attention, sdpa};
-use burn_offload::{Offload, fused_attention_calls};
+use burn_kernels::counters;
+use burn_offload::Offload;
 use checks::{Precision, input, relative_error};
 use timing::{clock, time};
 
@@ -70,7 +72,7 @@ enum Path {
 }
 
 /// Output, then the gradients of q, k and v, of the attention `path` names on `B` for `case`.
-fn run<B: AutodiffBackend>(
+fn run<B: AutodiffBackend + burn_kernels::Kernels>(
     case: &Case,
     path: Path,
     precision: Precision,
@@ -103,6 +105,7 @@ fn run<B: AutodiffBackend>(
 }
 
 fn main() {
+    let _kernels = kernels::install_from_env();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
@@ -116,7 +119,7 @@ fn main() {
     // FLUX.1 at 1024²: 24 heads of 128 over 4096 + 512 tokens.
     eprintln!("[{:7.1} s] timing at FLUX size", clock());
     let shape = [1, 24, 4608, 128];
-    let calls = fused_attention_calls();
+    let calls = counters().fused_attention;
     let [q, k, v] = [5, 6, 7].map(|seed| input::<Fused, 4>(shape, seed, bf16, &device));
     let forward = time::<Fused>(&device, 2, 10, || {
         drop(sdpa(q.clone(), k.clone(), v.clone()));
@@ -127,7 +130,7 @@ fn main() {
         drop(out.sum().backward());
     });
     let flop = 4.0 * 24.0 * 4608.0 * 4608.0 * 128.0;
-    let fused_on = fused_attention_calls() > calls;
+    let fused_on = counters().fused_attention > calls;
     let path = if fused_on { "fused" } else { "separate ops" };
     println!("== attention [1, 24, 4608, 128] bf16 on Autodiff<Offload<Cuda>>, {path}");
     println!(
@@ -143,9 +146,9 @@ fn main() {
         );
         for case in &CASES {
             eprintln!("[{:7.1} s] {}", clock(), case.name);
-            let before = fused_attention_calls();
+            let before = counters().fused_attention;
             let fused = run::<Fused>(case, Path::Sdpa, bf16, &device);
-            if fused_attention_calls() != before + 1 {
+            if counters().fused_attention != before + 1 {
                 eprintln!("{}: the fused path did not run", case.name);
                 failed = true;
             }

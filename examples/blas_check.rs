@@ -19,13 +19,15 @@
 //! case fails or when the products did not go through cuBLAS.
 
 mod checks;
+mod kernels;
 mod timing;
 
 use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData, module::linear};
-use burn_offload::{Offload, cublas_products};
+use burn_kernels::counters;
+use burn_offload::Offload;
 use checks::{Precision, input, relative_error};
 use timing::{clock, time};
 
@@ -36,7 +38,7 @@ fn out<B: Backend, const D: usize>(name: &str, t: Tensor<B, D>) -> (String, Tens
     eprintln!(
         "[{:7.1} s] {name} ({} products through cuBLAS so far)",
         clock(),
-        cublas_products()
+        counters().blas_products
     );
     (name.to_string(), data)
 }
@@ -151,6 +153,7 @@ fn timings<B: Backend>(device: &B::Device) -> Vec<(&'static str, f64, f64)> {
 }
 
 fn main() {
+    let _kernels = kernels::install_from_env();
     let device = Default::default();
     let mut failed = false;
     tracing_subscriber::fmt()
@@ -163,9 +166,9 @@ fn main() {
             compute: dtype,
         };
         eprintln!("[{:7.1} s] {dtype:?} through cuBLAS", clock());
-        let before = cublas_products();
+        let before = counters().blas_products;
         let routed = cases::<Autodiff<Routed>>(precision, &device);
-        let products = cublas_products() - before;
+        let products = counters().blas_products - before;
         eprintln!("[{:7.1} s] {dtype:?} through Burn's kernels", clock());
         let plain = cases::<Autodiff<Cuda>>(precision, &device);
         eprintln!("[{:7.1} s] {dtype:?} inputs in float64 on the CPU", clock());
@@ -178,7 +181,7 @@ fn main() {
         );
         // The cases hold 14 products (5 matmuls, 3 for the linear layer, 6 for attention):
         // fewer means some fell back to Burn.
-        if products < 14 || cublas_products() != before + products {
+        if products < 14 || counters().blas_products != before + products {
             eprintln!(
                 "{products} products went through cuBLAS: the route was not taken \
                  (is BURN_LORA_BLAS=all set?)"
@@ -206,7 +209,7 @@ fn main() {
     let routed = timings::<Routed>(&device);
     eprintln!("[{:7.1} s] timing Burn's kernels", clock());
     let plain = timings::<Cuda>(&device);
-    if cublas_products() == 0 {
+    if counters().blas_products == 0 {
         failed = true;
     }
     println!("== timings, bf16 (seconds per call, TFLOP/s)");

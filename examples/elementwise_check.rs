@@ -13,12 +13,14 @@
 //! a fused op did not run.
 
 mod checks;
+mod kernels;
 
 use burn::backend::{Autodiff, Cuda, Flex};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, TensorData};
 use burn_diffusion::blocks::{Rope, gelu_tanh, layer_norm};
-use burn_offload::{Offload, fused_elementwise_calls};
+use burn_kernels::counters;
+use burn_offload::Offload;
 use checks::{Precision, input, relative_error};
 
 type Fused = Autodiff<Offload<Cuda>>;
@@ -42,7 +44,7 @@ const CASES: [(Op, [usize; 4]); 5] = [
 ];
 
 /// Rotary tables for `tokens` tokens of `head_dim` lanes (FLUX's three axes, scaled).
-fn rope<B: Backend>(tokens: usize, head_dim: usize, device: &B::Device) -> Rope<B> {
+fn rope<B: burn_kernels::Kernels>(tokens: usize, head_dim: usize, device: &B::Device) -> Rope<B> {
     let axes = [head_dim / 8, 7 * head_dim / 16, 7 * head_dim / 16];
     let positions: Vec<f64> = (0..tokens)
         .flat_map(|i| [0.0, (i / 9) as f64, (i % 9) as f64])
@@ -51,7 +53,7 @@ fn rope<B: Backend>(tokens: usize, head_dim: usize, device: &B::Device) -> Rope<
 }
 
 /// The op's output on the case's input and the gradient of `Σ r ∘ output` (`r` fixed), on `B`.
-fn run<B: AutodiffBackend>(
+fn run<B: AutodiffBackend + burn_kernels::Kernels>(
     op: Op,
     shape: [usize; 4],
     precision: Precision,
@@ -77,6 +79,7 @@ fn run<B: AutodiffBackend>(
 }
 
 fn main() {
+    let _kernels = kernels::install_from_env();
     let device = Default::default();
     let bf16 = Precision {
         input: DType::BF16,
@@ -89,9 +92,9 @@ fn main() {
     let mut failed = false;
     println!("== bf16: relative L2 errors (fused vs reference | separate ops vs reference)");
     for (op, shape) in CASES {
-        let before = fused_elementwise_calls();
+        let before = counters().fused_elementwise;
         let fused = run::<Fused>(op, shape, bf16, &device);
-        if fused_elementwise_calls() == before {
+        if counters().fused_elementwise == before {
             eprintln!("{op:?} {shape:?}: the fused op did not run (BURN_LORA_FUSED=0?)");
             failed = true;
         }

@@ -13,6 +13,7 @@
 //! The matrix products, attention and the fused elementwise kernels take the paths
 //! `BURN_LORA_BLAS`, `BURN_LORA_FLASH` and `BURN_LORA_FUSED` set.
 
+mod kernels;
 mod timing;
 
 use burn::backend::cuda::CudaDevice;
@@ -21,8 +22,9 @@ use burn::module::Module;
 use burn::tensor::{Distribution, FloatDType, IntDType, Tensor};
 use burn_diffusion::blocks::{Modulation, Rope, gelu_tanh, layer_norm, sdpa};
 use burn_diffusion::flux::FluxConfig;
+use burn_kernels::counters;
 use burn_lora::{LoraConfig, LoraPlan};
-use burn_offload::{Offload, cublas_products, fused_attention_calls, fused_elementwise_calls};
+use burn_offload::Offload;
 use timing::{clock, time};
 
 type B = Autodiff<Offload<Cuda>>;
@@ -55,6 +57,7 @@ fn measure(name: &str, device: &Device, loss: impl Fn() -> Tensor<B, 1>) -> [f64
 }
 
 fn main() {
+    let _kernels = kernels::install_from_env();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
@@ -174,8 +177,8 @@ fn main() {
     );
     println!(
         "{} products through cuBLAS, {} fused attentions, {} fused elementwise ops",
-        cublas_products(),
-        fused_attention_calls(),
-        fused_elementwise_calls()
+        counters().blas_products,
+        counters().fused_attention,
+        counters().fused_elementwise
     );
 }

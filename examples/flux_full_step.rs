@@ -20,6 +20,7 @@
 //! Peak memory is read from `nvidia-smi` (every 20 ms; the whole GPU, as the driver sees it).
 
 mod common;
+mod kernels;
 
 use std::time::Instant;
 
@@ -122,6 +123,7 @@ struct Hooks<'a> {
 }
 
 fn main() {
+    let _kernels = kernels::install_from_env();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
@@ -195,7 +197,10 @@ fn main() {
 
 /// The model with random bf16 weights, created on the device and frozen, with trainable LoRA
 /// adapters on the blocks.
-fn create<B: Backend>(device: &B::Device, peak: &dyn Fn() -> f64) -> Flux<Autodiff<B>> {
+fn create<B: burn_kernels::FusedOps>(
+    device: &B::Device,
+    peak: &dyn Fn() -> f64,
+) -> Flux<Autodiff<B>> {
     burn::tensor::set_default_dtypes::<B>(device, FloatDType::BF16, IntDType::I32)
         .expect("bf16 as the default float type");
     let config = FluxConfig::dev();
@@ -222,7 +227,7 @@ fn create<B: Backend>(device: &B::Device, peak: &dyn Fn() -> f64) -> Flux<Autodi
 }
 
 /// Two forward passes, then `args.steps` checkpointed training steps.
-fn run<B: Backend>(
+fn run<B: burn_kernels::FusedOps>(
     model: Flux<Autodiff<B>>,
     args: &Args,
     device: &B::Device,
@@ -277,8 +282,8 @@ fn run<B: Backend>(
             args.checkpointing,
             start.elapsed().as_secs_f64(),
             peak(),
-            burn_offload::cublas_products(),
-            burn_offload::fused_attention_calls(),
+            burn_kernels::counters().blas_products,
+            burn_kernels::counters().fused_attention,
             cold(step)
         );
     }

@@ -18,7 +18,6 @@ use std::path::Path;
 use burn::backend::{Cuda, Flex};
 use burn::nn::Linear;
 use burn::tensor::activation::silu;
-use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use burn_diffusion::blocks::sdpa;
 use burn_diffusion::materialize;
@@ -35,7 +34,7 @@ const SEED: u64 = 42 ^ 1;
 struct NonFinite;
 
 /// Prints `name` and the statistics of `x`; `Err` when `x` holds a non-finite value.
-fn probe<B: Backend, const D: usize>(
+fn probe<B: burn_kernels::Kernels, const D: usize>(
     name: &str,
     x: Tensor<B, D>,
 ) -> Result<Tensor<B, D>, NonFinite> {
@@ -58,7 +57,7 @@ fn probe<B: Backend, const D: usize>(
 }
 
 /// `ResnetBlock2D::forward`, each step probed.
-fn resnet<B: Backend>(
+fn resnet<B: burn_kernels::Kernels>(
     name: &str,
     r: &ResnetBlock2D<B>,
     x: Tensor<B, 4>,
@@ -81,7 +80,7 @@ fn resnet<B: Backend>(
 }
 
 /// `SpatialAttention::forward`, each step probed.
-fn attention<B: Backend>(
+fn attention<B: burn_kernels::Kernels>(
     name: &str,
     a: &SpatialAttention<B>,
     x: Tensor<B, 4>,
@@ -113,7 +112,7 @@ fn attention<B: Backend>(
 }
 
 /// `Encoder::forward`, each step probed.
-fn encode<B: Backend>(e: &Encoder<B>, x: Tensor<B, 4>) -> Result<(), NonFinite> {
+fn encode<B: burn_kernels::Kernels>(e: &Encoder<B>, x: Tensor<B, 4>) -> Result<(), NonFinite> {
     let mut x = probe("conv_in", e.conv_in.forward(x))?;
     for (i, block) in e.down_blocks.iter().enumerate() {
         for (j, r) in block.resnets.iter().enumerate() {
@@ -137,7 +136,7 @@ fn encode<B: Backend>(e: &Encoder<B>, x: Tensor<B, 4>) -> Result<(), NonFinite> 
 
 /// Encodes the image at `size`² with the trainer's random VAE in `dtype`, whole and then step
 /// by step; `false` when a non-finite value appeared.
-fn check<B: Backend>(device: &B::Device, dtype: FloatDType, size: usize) -> bool {
+fn check<B: burn_kernels::Kernels>(device: &B::Device, dtype: FloatDType, size: usize) -> bool {
     println!("== {} {dtype:?}, {size}x{size}", B::name(device));
     B::seed(device, SEED);
     let vae = materialize(VaeConfig::flux().init::<B>(device), dtype);

@@ -15,11 +15,11 @@
 //! The VAE is loaded only when some dataset has no valid cache, encodes what is missing and is
 //! dropped; then the text encoders, likewise; the transformer is loaded after both.
 
+use burn_kernels::Kernels;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Instant, UNIX_EPOCH};
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5};
 use burn_offload::{Offload, StreamTarget, WeightStream};
@@ -169,7 +169,7 @@ fn cache_file(
 }
 
 /// Encodes the images of `items` with the VAE (loaded here and dropped before returning).
-fn encode_latents<B: Backend>(
+fn encode_latents<B: Kernels>(
     plan: &TrainPlan,
     dataset: &Dataset,
     items: &[usize],

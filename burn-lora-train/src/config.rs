@@ -16,6 +16,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
+use burn_kernels::{BlasRoute, KernelOptions, StreamOrder};
 use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, LoraPlan};
 use burn_quant::Fp8Format;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -107,6 +108,13 @@ pub struct TrainYaml {
     /// Logging.
     #[serde(default = "defaults::section")]
     pub logging: LoggingYaml,
+    /// Which fast kernels run (absent when every choice is the default, so that the resume
+    /// fingerprint of a configuration without the section does not depend on it).
+    #[serde(
+        default = "defaults::section",
+        skip_serializing_if = "KernelsYaml::is_default"
+    )]
+    pub kernels: KernelsYaml,
 }
 
 /// `network`: the adapter type, rank and alpha, and which layers it wraps.
@@ -302,6 +310,31 @@ pub struct LoggingYaml {
     pub progress_bar: bool,
 }
 
+/// `kernels`: the fast paths of the ops (burn-kernels' `KernelOptions`). They change the
+/// numerics slightly, so they are part of the resume fingerprint and of the LoRA metadata.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KernelsYaml {
+    /// Matrix products through cuBLAS: `auto`, `off`, `large` or `all`.
+    #[serde(default = "defaults::blas")]
+    pub blas: String,
+    /// Attention: `fused` or `separate`.
+    #[serde(default = "defaults::fused")]
+    pub attention: String,
+    /// GELU, layer norm, and RMS norm with the rotary embedding: `fused` or `separate`.
+    #[serde(default = "defaults::fused")]
+    pub elementwise: String,
+    /// How the side streams keep CubeCL's order: `device` or `host`.
+    #[serde(default = "defaults::order")]
+    pub order: String,
+}
+
+impl KernelsYaml {
+    fn is_default(&self) -> bool {
+        *self == defaults::section::<Self>()
+    }
+}
+
 /// Accepts `512` as well as `[512, 768]`.
 fn one_or_many<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>, D::Error> {
     #[derive(Deserialize)]
@@ -407,15 +440,18 @@ mod defaults {
     pub fn save_dtype() -> String {
         "bf16".into()
     }
+    pub fn blas() -> String {
+        "auto".into()
+    }
+    pub fn fused() -> String {
+        "fused".into()
+    }
+    pub fn order() -> String {
+        "device".into()
+    }
 }
 
 impl TrainYaml {
-    /// Reads `path` (YAML) with overrides from the process environment (see
-    /// [`TrainYaml::load_with_env`]).
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::load_with_env(path, std::env::vars())
-    }
-
     /// Reads `path` (YAML), then applies overrides from `env`.
     ///
     /// A variable `BURNLORA_<SECTION>__<KEY>` (levels separated by `__`, any case) sets
@@ -734,6 +770,8 @@ pub struct TrainPlan {
     pub save: SavePlan,
     /// Logging.
     pub logging: LoggingPlan,
+    /// The fast paths of the ops, installed for the run.
+    pub kernels: KernelOptions,
     /// The configuration as read (after environment overrides), for file metadata.
     pub source: TrainYaml,
 }
@@ -823,9 +861,18 @@ const DTYPES: &[(&str, DType)] = &[
 ];
 
 impl TrainPlan {
-    /// Reads and validates `path` with environment overrides from the process environment.
+    /// Reads and validates `path`, without overrides.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        Self::from_yaml(path, TrainYaml::load(path)?)
+        Self::load_with_env(path, [])
+    }
+
+    /// Reads and checks `path` with overrides from `env` (see [`TrainYaml::load_with_env`]);
+    /// the `burnlora` binary passes the process environment.
+    pub fn load_with_env(
+        path: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        Self::from_yaml(path, TrainYaml::load_with_env(path, env)?)
     }
 
     /// Validates `yaml`, read from `file` (relative paths are resolved against its folder).
@@ -873,9 +920,10 @@ impl TrainPlan {
             .collect();
         let save = check_save(&mut c, &yaml.save);
         let every = c.at_least("logging.log_every", yaml.logging.log_every, 1);
+        let kernels = check_kernels(&mut c, &yaml.kernels);
 
-        match (network, model, train, save, every) {
-            (Some(network), Some(model), Some(train), Some(save), Some(every))
+        match (network, model, train, save, every, kernels) {
+            (Some(network), Some(model), Some(train), Some(save), Some(every), Some(kernels))
                 if c.problems.is_empty() =>
             {
                 Ok(Self {
@@ -891,6 +939,7 @@ impl TrainPlan {
                         every,
                         progress_bar: yaml.logging.progress_bar,
                     },
+                    kernels,
                     source: yaml,
                 })
             }
@@ -928,6 +977,33 @@ impl TrainPlan {
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
         (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn check_kernels(c: &mut Checker, k: &KernelsYaml) -> Option<KernelOptions> {
+    let fused = [("fused", true), ("separate", false)];
+    let blas = c.choose(
+        "kernels.blas",
+        &k.blas,
+        &[
+            ("auto", BlasRoute::Auto),
+            ("off", BlasRoute::Off),
+            ("large", BlasRoute::Large),
+            ("all", BlasRoute::All),
+        ],
+    );
+    let attention = c.choose("kernels.attention", &k.attention, &fused);
+    let elementwise = c.choose("kernels.elementwise", &k.elementwise, &fused);
+    let order = c.choose(
+        "kernels.order",
+        &k.order,
+        &[("device", StreamOrder::Device), ("host", StreamOrder::Host)],
+    );
+    Some(KernelOptions {
+        blas: blas?,
+        fused_attention: attention?,
+        fused_elementwise: elementwise?,
+        order: order?,
     })
 }
 

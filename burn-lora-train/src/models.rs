@@ -15,6 +15,7 @@ use burn_diffusion::materialize;
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_kernels::Kernels;
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadConfig, StreamTarget, WeightStream, WireFormat};
 use burn_quant::Fp8Format;
@@ -145,7 +146,7 @@ pub(crate) fn text_encoders<B: StreamTarget>(
 /// diffusers' `force_upcast` run it: it encodes each image once (the latents are cached), and in
 /// bf16 on CUDA Burn 0.21's convolution turns part of the first layer's output (3 input
 /// channels) into NaN (benches/RESULTS.md, `examples/vae_check.rs`).
-pub(crate) fn vae<B: Backend>(
+pub(crate) fn vae<B: Kernels>(
     plan: &TrainPlan,
     device: &B::Device,
 ) -> Result<AutoencoderKl<B>, TrainError> {

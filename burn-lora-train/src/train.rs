@@ -21,6 +21,7 @@
 //! restores the adapters from the optimizer's exact f32 copies, never from the (possibly bf16)
 //! LoRA file.
 
+use burn_kernels::FusedOps;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -140,6 +141,8 @@ pub fn train<B: StreamTarget>(
     stop: &StopFlag,
     device: &B::Device,
 ) -> Result<TrainSummary, TrainError> {
+    let _kernels = plan.kernels.install();
+    tracing::info!("kernels: {}", plan.kernels);
     let run = RunDir::create(plan.run_dir(), &plan.name)?;
     let dataset = Dataset::scan(&plan.datasets)?;
     let prepared = cache::prepare::<B>(plan, &dataset, device)?;
@@ -287,7 +290,11 @@ pub fn train<B: StreamTarget>(
                 LoraMetadata {
                     base_model: Some(base_model_name(plan)),
                     step: Some(step),
-                    extra: [("burnlora.config".to_string(), plan.to_json())].into(),
+                    extra: [
+                        ("burnlora.config".to_string(), plan.to_json()),
+                        ("burnlora.kernels".to_string(), plan.kernels.to_string()),
+                    ]
+                    .into(),
                 },
             );
             let options = SaveOptions {
@@ -343,7 +350,7 @@ fn gigabytes(bytes: Option<u64>) -> String {
 }
 
 /// One micro-batch: its loss and the gradients of the adapters.
-fn micro_step<B: Backend>(
+fn micro_step<B: FusedOps>(
     plan: &TrainPlan,
     prepared: &Prepared,
     flux: &Flux<Autodiff<B>>,

@@ -9,26 +9,22 @@
 //! CubeCL 0.10's own upload path copies through pageable memory on the device-runner thread
 //! (0.62 GB/s measured), which is why the copies bypass it. See `DESIGN.md`.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use burn_kernels::cuda::{SideContext, drain};
 use cubecl::Runtime;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::{Handle, ServerError};
 use cubecl_common::future::{DynFut, block_on};
-use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaModule, CudaStream, DriverError, result};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
 
 use crate::error::OffloadError;
-use crate::norm_rope::NormRope;
-use crate::target::{FusedAttention, StreamTarget};
-use crate::unary::UnaryOp;
+use crate::target::StreamTarget;
 use crate::weight::{Encoding, HostMemory, HostWeight};
 
 fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
@@ -38,21 +34,13 @@ fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
     }
 }
 
-/// The CUDA context and a copy stream per device, shared by the rings and the direct path.
+/// The CUDA context and the copy stream of `device`, shared by the rings and the direct path.
 fn copy_stream(device: &CudaDevice) -> Result<(Arc<CudaContext>, Arc<CudaStream>), OffloadError> {
-    type Streams = Mutex<HashMap<usize, (Arc<CudaContext>, Arc<CudaStream>)>>;
-    static STREAMS: OnceLock<Streams> = OnceLock::new();
-    let mut streams = STREAMS.get_or_init(Default::default).lock().unwrap();
-    if let Some(entry) = streams.get(&device.index) {
-        return Ok(entry.clone());
-    }
-    // Retains the primary context, the one CubeCL uses.
-    let ctx = CudaContext::new(device.index).map_err(device_error("opening the CUDA context"))?;
-    let stream = ctx
-        .new_stream()
-        .map_err(device_error("creating the copy stream"))?;
-    streams.insert(device.index, (ctx.clone(), stream.clone()));
-    Ok((ctx, stream))
+    let side = SideContext::of(device).map_err(|e| OffloadError::Device {
+        action: "opening the CUDA side context",
+        reason: e.to_string(),
+    })?;
+    Ok((side.context().clone(), side.copy_stream().clone()))
 }
 
 /// Page-locked host memory.
@@ -119,67 +107,6 @@ fn copy(
 
 /// Weights at most this large are uploaded through Burn's own (stream-ordered) path.
 const SMALL: usize = 1 << 20;
-
-/// Waits until the compute stream has run everything submitted to it so far.
-///
-/// Needed around raw copies into memory Burn hands out: a freshly allocated buffer may still be
-/// read by kernels queued for its previous tenant, and a staging buffer must outlive the kernel
-/// that decodes it. Burn orders its own uses of a buffer on its stream; the copy stream is
-/// outside that order.
-pub(crate) fn drain(client: &ComputeClient<CudaRuntime>) {
-    block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
-}
-
-/// Whether the fused elementwise kernels take `x`: a plain (not quantized) f32, bf16 or f16
-/// tensor.
-fn elementwise_input(x: &CubeTensor<CudaRuntime>) -> bool {
-    matches!(x.dtype, DType::F32 | DType::BF16 | DType::F16) && x.qparams.is_none()
-}
-
-/// The compute capability of `ctx`'s device, `(major, minor)`.
-pub(crate) fn compute_capability(ctx: &CudaContext) -> Result<(i32, i32), String> {
-    let attribute = |a| ctx.attribute(a).map_err(|e| e.to_string());
-    Ok((
-        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-    ))
-}
-
-/// CUDA C++ `source` (named `name` in NVRTC's messages) compiled by NVRTC for `ctx`'s device,
-/// with the toolkit's headers and `options`, and loaded.
-pub(crate) fn compile_module(
-    ctx: &Arc<CudaContext>,
-    name: &str,
-    source: &str,
-    options: Vec<String>,
-) -> Result<Arc<CudaModule>, String> {
-    let (major, minor) = compute_capability(ctx)?;
-    let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
-    let mut all = vec![format!("--gpu-architecture=sm_{major}{minor}")];
-    all.extend(options);
-    let ptx = std::panic::catch_unwind(|| {
-        compile_ptx_with_opts(
-            source,
-            CompileOptions {
-                include_paths: vec![format!("{cuda}/include")],
-                options: all,
-                name: Some(name.into()),
-                ..Default::default()
-            },
-        )
-    })
-    .map_err(|_| "libnvrtc could not be loaded".to_string())?
-    .map_err(|e| format!("NVRTC: {e:?}"))?;
-    ctx.load_module(ptx).map_err(|e| e.to_string())
-}
-
-/// The device address of a Burn buffer, `None` when CubeCL cannot resolve it.
-pub(crate) fn address(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
-    client
-        .get_resource(handle.clone())
-        .ok()
-        .map(|resource| resource.resource().ptr)
-}
 
 /// A Burn buffer of `bytes` bytes on `device` and its address.
 fn device_buffer(
@@ -373,84 +300,5 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_in_use)
-    }
-
-    fn blas_enabled() -> bool {
-        crate::blas::enabled()
-    }
-
-    fn blas_matmul(
-        lhs: &CubeTensor<CudaRuntime>,
-        rhs: &CubeTensor<CudaRuntime>,
-    ) -> Option<CubeTensor<CudaRuntime>> {
-        crate::blas::matmul(lhs, rhs)
-    }
-
-    fn fused_attention(
-        q: &CubeTensor<CudaRuntime>,
-        k: &CubeTensor<CudaRuntime>,
-        v: &CubeTensor<CudaRuntime>,
-        scale: f32,
-    ) -> Option<FusedAttention<Self>> {
-        let (output, row_stats) = crate::flash::forward(q, k, v, scale)?;
-        Some(FusedAttention { output, row_stats })
-    }
-
-    fn fused_attention_backward(
-        qkv: [&CubeTensor<CudaRuntime>; 3],
-        forward: &FusedAttention<Self>,
-        grad: CubeTensor<CudaRuntime>,
-        scale: f32,
-    ) -> [CubeTensor<CudaRuntime>; 3] {
-        let grad = if grad.dtype == DType::BF16 {
-            grad
-        } else {
-            Self::float_cast(grad, FloatDType::BF16)
-        };
-        crate::flash::backward(
-            qkv,
-            &forward.output,
-            &forward.row_stats,
-            &burn_cubecl::kernel::into_contiguous(grad),
-            scale,
-        )
-    }
-
-    fn fused_unary(op: UnaryOp, x: &CubeTensor<CudaRuntime>) -> Option<CubeTensor<CudaRuntime>> {
-        elementwise_input(x).then(|| crate::unary_kernel::unary(op, x.clone()))
-    }
-
-    fn fused_unary_backward(
-        op: UnaryOp,
-        x: &CubeTensor<CudaRuntime>,
-        grad: CubeTensor<CudaRuntime>,
-    ) -> CubeTensor<CudaRuntime> {
-        crate::unary_kernel::unary_backward(op, x.clone(), grad)
-    }
-
-    fn fused_norm_rope(o: &NormRope<Self>) -> Option<CubeTensor<CudaRuntime>> {
-        elementwise_input(&o.x).then(|| {
-            crate::norm_rope_kernel::norm_rope(
-                o.x.clone(),
-                o.scale.clone(),
-                o.cos.clone(),
-                o.sin.clone(),
-                o.eps,
-            )
-        })
-    }
-
-    fn fused_norm_rope_backward(
-        o: &NormRope<Self>,
-        grad: CubeTensor<CudaRuntime>,
-    ) -> CubeTensor<CudaRuntime> {
-        crate::norm_rope_kernel::norm_rope_backward(
-            o.x.clone(),
-            o.scale.clone(),
-            o.cos.clone(),
-            o.sin.clone(),
-            grad,
-            o.eps,
-        )
     }
 }

@@ -18,11 +18,13 @@
 //!
 //! # Features
 //! - `cuda`: Burn's CUDA backend (without fusion) as an inner backend: page-locked host
-//!   memory, asynchronous copies on the loader's own CUDA stream into slots that Burn owns,
-//!   FP8 payloads dequantized on the device by burn-quant's kernel, and matrix products
-//!   (`float_matmul` and the linear ops, transposed and batched views included) run by cuBLAS
-//!   unless `BURN_LORA_BLAS=0`, and fused attention kernels behind [`attention`] unless
-//!   `BURN_LORA_FLASH=0`.
+//!   memory, asynchronous copies on the device's copy stream (burn-kernels' `SideContext`) into
+//!   slots that Burn owns, FP8 payloads dequantized on the device by burn-quant's kernel.
+//!
+//! The matrix products (`float_matmul` and the linear ops, streamed weights included) go
+//! through burn-kernels' [`products`](burn_kernels::products) routing, and `Offload<B, P>` is a
+//! [`FusedOps`](burn_kernels::FusedOps) backend whenever `B` is: models on it get the inner
+//! backend's fused kernels.
 //!
 //! # Example
 //! ```
@@ -61,52 +63,24 @@
 //! ```
 #![warn(missing_docs)]
 
-mod attention;
 mod backend;
-#[cfg(feature = "cuda")]
-mod blas;
 mod config;
-mod cpu_kernels;
-#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
-mod cube_tensor;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod dispatch;
 mod engine;
 mod error;
-#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
-mod flag_kernel;
-#[cfg(feature = "cuda")]
-mod flash;
-#[cfg(any(feature = "cuda", test))]
-mod flash_plan;
-#[cfg(any(feature = "cuda", test))]
-mod gemm;
-mod norm_rope;
-#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
-mod norm_rope_kernel;
+mod fused;
 mod ops;
-#[cfg(feature = "cuda")]
-mod order;
 mod policy;
 mod stats;
 mod stream;
 mod target;
-mod unary;
-#[cfg(any(feature = "cuda", all(test, feature = "wgpu")))]
-mod unary_kernel;
 mod weight;
 
-pub use attention::attention;
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
-#[cfg(feature = "cuda")]
-pub use blas::cublas_products;
 pub use config::{OffloadConfig, WireFormat};
-pub use dispatch::{fused_attention_calls, fused_elementwise_calls};
 pub use error::OffloadError;
-pub use norm_rope::{NormRope, rms_norm_rope};
 pub use policy::{Route, ScheduleOutcome};
 pub use stats::StepStats;
 pub use stream::WeightStream;
-pub use target::{FusedAttention, StreamTarget};
-pub use unary::{UnaryOp, gelu_tanh, layer_norm};
+pub use target::StreamTarget;

@@ -8,24 +8,23 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use burn::backend::Flex;
-use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Bytes, TensorData};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
 
-use crate::cpu_kernels;
+use burn_kernels::FusedOps;
+
 use crate::error::OffloadError;
-use crate::norm_rope::NormRope;
-use crate::unary::UnaryOp;
 use crate::weight::{HostMemory, HostWeight};
 
 /// A backend whose device can host the offload ring: [`Flex`] (on the CPU, for tests) and, with
-/// the `cuda` feature, Burn's CUDA backend without fusion.
+/// the `cuda` feature, Burn's CUDA backend without fusion. Its fused kernels
+/// ([`FusedOps`]) serve the decorator's models.
 ///
 /// The engine calls these functions; it decides when, they do the work. `fill` and `poison` run
 /// on the loader thread (or on the compute thread for on-demand fetches), all others on the
 /// compute thread.
-pub trait StreamTarget: Backend {
+pub trait StreamTarget: FusedOps {
     /// The slots of one ring on one device.
     type Ring: Send + Sync + 'static;
     /// A point in the device's compute order: once it has passed, a slot read before it may be
@@ -77,90 +76,6 @@ pub trait StreamTarget: Backend {
 
     /// Device bytes in use, where the backend reports them.
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
-
-    /// Whether [`blas_matmul`](Self::blas_matmul) routes products to a vendor BLAS now (the
-    /// decorator prepares transposed and flattened views only then).
-    fn blas_enabled() -> bool {
-        false
-    }
-
-    /// `lhs · rhs` with `float_matmul`'s broadcasting (missing leading dimensions broadcast
-    /// too), computed by the device's vendor BLAS; `None` where the backend has none, it is
-    /// switched off, or the dtypes or layouts do not fit, and Burn's kernel runs instead.
-    fn blas_matmul(lhs: &FloatTensor<Self>, rhs: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
-        let _ = (lhs, rhs);
-        None
-    }
-
-    /// `softmax(scale · q kᵀ) v` for `[batch, heads, rows, head_dim]` tensors in one fused
-    /// kernel, with the per-row statistics its backward pass needs; `None` where the backend
-    /// has no such kernel or it does not take these tensors, and the caller computes attention
-    /// from separate ops.
-    fn fused_attention(
-        q: &FloatTensor<Self>,
-        k: &FloatTensor<Self>,
-        v: &FloatTensor<Self>,
-        scale: f32,
-    ) -> Option<FusedAttention<Self>> {
-        let _ = (q, k, v, scale);
-        None
-    }
-
-    /// The gradients of `q`, `k` and `v` given the output's gradient, for an output that
-    /// [`fused_attention`](Self::fused_attention) computed.
-    fn fused_attention_backward(
-        qkv: [&FloatTensor<Self>; 3],
-        forward: &FusedAttention<Self>,
-        grad: FloatTensor<Self>,
-        scale: f32,
-    ) -> [FloatTensor<Self>; 3] {
-        let _ = (qkv, forward, grad, scale);
-        unreachable!("a backend without fused attention never returns a fused forward")
-    }
-
-    /// `op` on `x` in one kernel (computed in f32, stored in `x`'s dtype); `None` where the
-    /// backend has no such kernel, and the caller computes it from separate ops.
-    fn fused_unary(op: UnaryOp, x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
-        let _ = (op, x);
-        None
-    }
-
-    /// The gradient of `x` given `grad`, the gradient of an output that
-    /// [`fused_unary`](Self::fused_unary) computed from `x`.
-    fn fused_unary_backward(
-        op: UnaryOp,
-        x: &FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        let _ = (op, x, grad);
-        unreachable!("a backend without fused unary ops never returns a fused forward")
-    }
-
-    /// The RMS norm and rotary embedding of `operands.x` in one kernel (see
-    /// [`rms_norm_rope`](crate::rms_norm_rope)); `None` where the backend has no such kernel.
-    fn fused_norm_rope(operands: &NormRope<Self>) -> Option<FloatTensor<Self>> {
-        let _ = operands;
-        None
-    }
-
-    /// The gradient of `operands.x` given `grad`, the gradient of an output that
-    /// [`fused_norm_rope`](Self::fused_norm_rope) computed.
-    fn fused_norm_rope_backward(
-        operands: &NormRope<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        let _ = (operands, grad);
-        unreachable!("a backend without a fused norm and rotation never returns a fused forward")
-    }
-}
-
-/// What a fused attention forward pass returns: the output and what its backward pass needs.
-#[derive(Debug, Clone)]
-pub struct FusedAttention<B: Backend> {
-    /// `[batch, heads, len_q, head_dim]`.
-    pub output: FloatTensor<B>,
-    /// Per query row, the log-sum-exp of its scores (in the backend's own units).
-    pub row_stats: FloatTensor<B>,
 }
 
 /// Memory of one CPU ring slot, aligned for any element type.
@@ -314,29 +229,6 @@ impl StreamTarget for Flex {
 
     fn memory_in_use(_device: &Self::Device) -> Option<u64> {
         None
-    }
-
-    fn fused_unary(op: UnaryOp, x: &FloatTensor<Self>) -> Option<FloatTensor<Self>> {
-        Some(cpu_kernels::unary(op, x))
-    }
-
-    fn fused_unary_backward(
-        op: UnaryOp,
-        x: &FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        cpu_kernels::unary_backward(op, x, &grad)
-    }
-
-    fn fused_norm_rope(operands: &NormRope<Self>) -> Option<FloatTensor<Self>> {
-        Some(cpu_kernels::norm_rope(operands))
-    }
-
-    fn fused_norm_rope_backward(
-        operands: &NormRope<Self>,
-        grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        cpu_kernels::norm_rope_backward(operands, &grad)
     }
 }
 

@@ -2,6 +2,7 @@
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Tensor, backend::Backend};
+use burn_kernels::Kernels;
 
 /// What [`attention`] adds to the scores before the softmax.
 pub enum ScoreBias<B: Backend> {
@@ -18,7 +19,7 @@ pub enum ScoreBias<B: Backend> {
 /// Every model calls attention through this one function or [`attention`], so that a fused
 /// kernel replaces it in one place: on `Autodiff<Offload<Cuda>>` and `Offload<Cuda>`, bf16
 /// heads of 64 or 128 run burn-offload's fused kernels, forward and backward
-/// ([`burn_offload::attention`]). Elsewhere it computes the full score matrix: the two products
+/// ([`burn_kernels::attention`]). Elsewhere it computes the full score matrix: the two products
 /// in the inputs' dtype, the softmax in f32. This is the decomposition Burn 0.21 uses under
 /// `Autodiff` anyway; on the inner CUDA backend Burn's own fused attention op (forward only) is
 /// slower at FLUX sizes (4.5 s against 3.0 s for a whole checkpointed training step) and did
@@ -30,7 +31,7 @@ pub enum ScoreBias<B: Backend> {
 /// - `q`: `[batch, heads, len_q, head_dim]`
 /// - `k`, `v`: `[batch, heads, len_k, head_dim]`
 /// - output: `[batch, heads, len_q, head_dim]`
-pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn sdpa<B: Kernels>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
     let scale = (q.dims()[3] as f64).sqrt().recip();
     attention(q, k, v, scale, ScoreBias::None)
 }
@@ -40,7 +41,7 @@ pub fn sdpa<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Te
 ///
 /// # Shapes
 /// As [`sdpa`].
-pub fn attention<B: Backend>(
+pub fn attention<B: Kernels>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -48,7 +49,7 @@ pub fn attention<B: Backend>(
     bias: ScoreBias<B>,
 ) -> Tensor<B, 4> {
     if let ScoreBias::None = bias
-        && let Some(out) = burn_offload::attention(&q, &k, &v, scale)
+        && let Some(out) = burn_kernels::attention(&q, &k, &v, scale)
     {
         return out;
     }

@@ -1,6 +1,7 @@
 //! Adaptive modulation (adaLN): shift, scale and gate computed from the conditioning vector.
 
 use burn::tensor::{Tensor, backend::Backend};
+use burn_kernels::Kernels;
 
 /// One set of modulation parameters, each `[batch, 1, hidden]` so that it broadcasts over tokens.
 #[derive(Clone, Debug)]
@@ -13,7 +14,7 @@ pub struct Modulation<B: Backend> {
     pub gate: Tensor<B, 3>,
 }
 
-impl<B: Backend> Modulation<B> {
+impl<B: Kernels> Modulation<B> {
     /// Splits `[batch, 3 · n · hidden]` into `n` sets, each taken in the order shift, scale, gate.
     pub fn split(projected: Tensor<B, 2>, n: usize) -> Vec<Self> {
         let chunks = projected.unsqueeze_dim::<3>(1).chunk(3 * n, 2);

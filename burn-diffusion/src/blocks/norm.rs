@@ -1,12 +1,13 @@
 //! Normalizations over the last dimension, computed in f32 whatever the input dtype.
 
-use burn::tensor::{DType, Tensor, backend::Backend};
+use burn::tensor::{DType, Tensor};
+use burn_kernels::Kernels;
 
 /// Layer norm without learned parameters: `(x - mean) / √(var + eps)` (biased variance); one
-/// fused kernel each way where [`burn_offload::layer_norm`] has one (unless
+/// fused kernel each way where [`burn_kernels::layer_norm`] has one (unless
 /// `BURN_LORA_FUSED=0`), elsewhere separate ops.
-pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
-    if let Some(y) = burn_offload::layer_norm(&x, eps) {
+pub fn layer_norm<B: Kernels, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+    if let Some(y) = burn_kernels::layer_norm(&x, eps) {
         return y;
     }
     let dtype = x.dtype();
@@ -22,7 +23,7 @@ pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tens
 /// # Shapes
 /// - `x`: `[..., dim]`
 /// - `scale`: `[dim]`
-pub fn rms_norm<B: Backend, const D: usize>(
+pub fn rms_norm<B: Kernels, const D: usize>(
     x: Tensor<B, D>,
     scale: Tensor<B, 1>,
     eps: f64,

@@ -1,6 +1,7 @@
 //! Rotary position embedding over several position axes (FLUX: time, row, column).
 
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn_kernels::Kernels;
 
 use super::rms_norm;
 
@@ -15,7 +16,7 @@ pub struct Rope<B: Backend> {
     sin: Tensor<B, 2>,
 }
 
-impl<B: Backend> Rope<B> {
+impl<B: Kernels> Rope<B> {
     /// Builds the tables from token positions, `positions[token * axes + axis]`.
     ///
     /// # Panics
@@ -70,14 +71,14 @@ impl<B: Backend> Rope<B> {
     }
 
     /// [`rms_norm`] of every head (`scale` `[head_dim]`), then [`apply`](Self::apply): one fused
-    /// kernel each way where [`burn_offload::rms_norm_rope`] has one (unless
+    /// kernel each way where [`burn_kernels::rms_norm_rope`] has one (unless
     /// `BURN_LORA_FUSED=0`; it rounds once, where the separate ops round the normalized value
     /// and the scaled one too), elsewhere the two as written.
     ///
     /// # Shapes
     /// - `x`: `[batch, heads, tokens, head_dim]`
     pub fn apply_normalized(&self, x: Tensor<B, 4>, scale: Tensor<B, 1>, eps: f64) -> Tensor<B, 4> {
-        match burn_offload::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps) {
+        match burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps) {
             Some(out) => out,
             None => self.apply(rms_norm(x, scale, eps)),
         }

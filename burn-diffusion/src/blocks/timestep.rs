@@ -1,6 +1,7 @@
 //! Sinusoidal embedding of diffusion timesteps.
 
-use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_kernels::Kernels;
 
 /// `[cos(t·f₀) … cos(t·fₙ₋₁), sin(t·f₀) … sin(t·fₙ₋₁)]` with `t = timestep · time_factor`,
 /// `n = dim / 2` and `fᵢ = exp(-ln(10000) · i / n)`, in f32.
@@ -11,7 +12,7 @@ use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 /// # Shapes
 /// - `timesteps`: `[batch]`
 /// - output: `[batch, dim]`
-pub fn timestep_embedding<B: Backend>(
+pub fn timestep_embedding<B: Kernels>(
     timesteps: Tensor<B, 1>,
     dim: usize,
     time_factor: f64,

@@ -4,6 +4,7 @@
 
 // ref: huggingface/transformers@v5.24.0 src/transformers/models/clip/modeling_clip.py
 
+use burn_kernels::Kernels;
 use std::path::Path;
 
 use burn::module::Module;
@@ -57,7 +58,7 @@ impl ClipTextConfig {
     ///
     /// # Panics
     /// If the configuration is inconsistent (see [`ClipTextConfig::validate`]).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> ClipTextModel<B> {
+    pub fn init<B: Kernels>(&self, device: &B::Device) -> ClipTextModel<B> {
         if let Err(message) = self.validate() {
             panic!("invalid CLIP config: {message}");
         }
@@ -82,7 +83,7 @@ impl ClipTextConfig {
     }
 }
 
-impl<B: Backend> ClipTextModel<B> {
+impl<B: Kernels> ClipTextModel<B> {
     /// Loads transformers' text-encoder folder (a pipeline folder with `text_encoder/`, or the
     /// folder itself: `config.json` and its safetensors), or a single `.safetensors` file
     /// (ComfyUI's `clip_l.safetensors`), whose configuration is inferred
@@ -201,7 +202,7 @@ pub struct ClipTextEmbeddings<B: Backend> {
     pub position_embedding: Embedding<B>,
 }
 
-impl<B: Backend> ClipTextEmbeddings<B> {
+impl<B: Kernels> ClipTextEmbeddings<B> {
     /// # Shapes
     /// - `input_ids`: `[batch, tokens]`; output: `[batch, tokens, hidden]`
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
@@ -232,7 +233,7 @@ pub struct ClipEncoderLayer<B: Backend> {
     pub layer_norm2: LayerNorm<B>,
 }
 
-impl<B: Backend> ClipEncoderLayer<B> {
+impl<B: Kernels> ClipEncoderLayer<B> {
     fn new(config: &ClipTextConfig, device: &B::Device) -> Self {
         let (d, ff) = (config.hidden_size, config.intermediate_size);
         let linear = |i, o| LinearConfig::new(i, o).init(device);
@@ -279,7 +280,7 @@ pub struct ClipAttention<B: Backend> {
     pub out_proj: Linear<B>,
 }
 
-impl<B: Backend> ClipAttention<B> {
+impl<B: Kernels> ClipAttention<B> {
     /// # Shapes
     /// - `x`: `[batch, tokens, hidden]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
@@ -312,7 +313,7 @@ pub struct ClipMlp<B: Backend> {
     pub fc2: Linear<B>,
 }
 
-impl<B: Backend> ClipMlp<B> {
+impl<B: Kernels> ClipMlp<B> {
     /// # Shapes
     /// - `x`: `[batch, tokens, hidden]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, activation: ClipActivation) -> Tensor<B, 3> {
@@ -325,7 +326,7 @@ impl<B: Backend> ClipMlp<B> {
     }
 }
 
-fn layer_norm<B: Backend>(config: &ClipTextConfig, device: &B::Device) -> LayerNorm<B> {
+fn layer_norm<B: Kernels>(config: &ClipTextConfig, device: &B::Device) -> LayerNorm<B> {
     LayerNormConfig::new(config.hidden_size)
         .with_epsilon(config.layer_norm_eps)
         .init(device)

@@ -5,6 +5,7 @@
 //! diffusers layers stacked, see [`super::keys`]), uploaded, and its file pages handed back to
 //! the OS before the next one. Peak host memory is one tensor, not a second copy of the model.
 
+use burn_kernels::Kernels;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -125,7 +126,7 @@ impl FluxCheckpoint {
     /// Every missing, unexpected or mis-shaped key is collected and reported in one
     /// [`LoadError::Keys`]. In a ComfyUI all-in-one file, keys outside
     /// `model.diffusion_model.` (VAE, text encoders) are ignored.
-    pub fn load<B: Backend>(
+    pub fn load<B: Kernels>(
         &self,
         device: &B::Device,
         dtype: FloatDType,
@@ -138,7 +139,7 @@ impl FluxCheckpoint {
     /// being uploaded to `device`: a model larger than the device's memory loads this way into
     /// host memory (burn-offload's `WeightStream::streamed_tensor`). An error `place` returns
     /// is reported as [`LoadError::Config`] naming the parameter.
-    pub fn load_with<B: Backend>(
+    pub fn load_with<B: Kernels>(
         &self,
         device: &B::Device,
         dtype: FloatDType,
@@ -147,7 +148,7 @@ impl FluxCheckpoint {
         self.load_placed(device, dtype, Some(place))
     }
 
-    fn load_placed<B: Backend>(
+    fn load_placed<B: Kernels>(
         &self,
         device: &B::Device,
         dtype: FloatDType,
@@ -173,7 +174,7 @@ impl FluxCheckpoint {
     }
 }
 
-impl<B: Backend> Flux<B> {
+impl<B: Kernels> Flux<B> {
     /// Opens and loads a checkpoint (see [`FluxCheckpoint::open`] and [`FluxCheckpoint::load`]).
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
         FluxCheckpoint::open(path)?.load(device, dtype)
@@ -204,7 +205,7 @@ struct Loader<'a, 'p, 'q, B: Backend> {
     failure: Option<LoadError>,
 }
 
-impl<B: Backend> ModuleMapper<B> for Loader<'_, '_, '_, B> {
+impl<B: Kernels> ModuleMapper<B> for Loader<'_, '_, '_, B> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -234,7 +235,7 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_, '_, '_, B> {
     }
 }
 
-impl<B: Backend> Loader<'_, '_, '_, B> {
+impl<B: Kernels> Loader<'_, '_, '_, B> {
     /// The value of the parameter at `path` (Burn's shape `shape`), or `None` after recording
     /// why it cannot be read.
     fn read(&mut self, path: &str, shape: &[usize]) -> Option<TensorData> {

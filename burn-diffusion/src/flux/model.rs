@@ -10,6 +10,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Initializer, LinearConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn_kernels::Kernels;
 use burn_lora::LoraLinear;
 
 use super::FluxConfig;
@@ -75,7 +76,7 @@ impl FluxConfig {
     ///
     /// # Panics
     /// If the configuration is inconsistent (see [`FluxConfig::validate`]).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Flux<B> {
+    pub fn init<B: Kernels>(&self, device: &B::Device) -> Flux<B> {
         if let Err(message) = self.validate() {
             panic!("invalid FLUX config: {message}");
         }
@@ -102,7 +103,7 @@ impl FluxConfig {
     }
 }
 
-impl<B: Backend> Flux<B> {
+impl<B: Kernels> Flux<B> {
     /// The model's configuration.
     pub fn config(&self) -> &FluxConfig {
         &self.config
@@ -181,7 +182,7 @@ pub struct MlpEmbedder<B: Backend> {
     pub out_layer: LoraLinear<B>,
 }
 
-impl<B: Backend> MlpEmbedder<B> {
+impl<B: Kernels> MlpEmbedder<B> {
     fn new(d_input: usize, hidden: usize, device: &B::Device) -> Self {
         Self {
             in_layer: LinearConfig::new(d_input, hidden).init(device).into(),
@@ -204,7 +205,7 @@ pub struct ModulationLinear<B: Backend> {
     sets: usize,
 }
 
-impl<B: Backend> ModulationLinear<B> {
+impl<B: Kernels> ModulationLinear<B> {
     fn new(hidden: usize, sets: usize, device: &B::Device) -> Self {
         Self {
             lin: LinearConfig::new(hidden, 3 * sets * hidden)
@@ -226,7 +227,7 @@ pub struct RmsNorm<B: Backend> {
     pub scale: Param<Tensor<B, 1>>,
 }
 
-impl<B: Backend> RmsNorm<B> {
+impl<B: Kernels> RmsNorm<B> {
     fn new(dim: usize, device: &B::Device) -> Self {
         Self {
             scale: Initializer::Ones.init([dim], device),
@@ -243,7 +244,7 @@ pub struct QkNorm<B: Backend> {
     pub key_norm: RmsNorm<B>,
 }
 
-impl<B: Backend> QkNorm<B> {
+impl<B: Kernels> QkNorm<B> {
     fn new(head_dim: usize, device: &B::Device) -> Self {
         Self {
             query_norm: RmsNorm::new(head_dim, device),
@@ -282,7 +283,7 @@ pub struct SelfAttention<B: Backend> {
     pub proj: LoraLinear<B>,
 }
 
-impl<B: Backend> SelfAttention<B> {
+impl<B: Kernels> SelfAttention<B> {
     fn new(hidden: usize, head_dim: usize, device: &B::Device) -> Self {
         Self {
             qkv: LinearConfig::new(hidden, 3 * hidden).init(device).into(),
@@ -301,7 +302,7 @@ pub struct Mlp<B: Backend> {
     pub lin2: LoraLinear<B>,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: Kernels> Mlp<B> {
     fn new(hidden: usize, mlp_hidden: usize, device: &B::Device) -> Self {
         Self {
             lin1: LinearConfig::new(hidden, mlp_hidden).init(device).into(),
@@ -332,7 +333,7 @@ pub struct DoubleStreamBlock<B: Backend> {
     num_heads: usize,
 }
 
-impl<B: Backend> DoubleStreamBlock<B> {
+impl<B: Kernels> DoubleStreamBlock<B> {
     fn new(config: &FluxConfig, device: &B::Device) -> Self {
         let (h, d) = (config.hidden_size, config.head_dim());
         Self {
@@ -411,7 +412,7 @@ pub struct SingleStreamBlock<B: Backend> {
     num_heads: usize,
 }
 
-impl<B: Backend> SingleStreamBlock<B> {
+impl<B: Kernels> SingleStreamBlock<B> {
     fn new(config: &FluxConfig, device: &B::Device) -> Self {
         let (h, mlp) = (config.hidden_size, config.mlp_hidden_dim());
         Self {
@@ -474,7 +475,7 @@ pub struct LastLayer<B: Backend> {
     pub ada_ln_modulation: LoraLinear<B>,
 }
 
-impl<B: Backend> LastLayer<B> {
+impl<B: Kernels> LastLayer<B> {
     fn new(hidden: usize, out_channels: usize, device: &B::Device) -> Self {
         Self {
             linear: LinearConfig::new(hidden, out_channels).init(device).into(),
@@ -499,7 +500,7 @@ impl<B: Backend> LastLayer<B> {
 }
 
 /// The two residual updates of one stream of a double block: attention output, then MLP.
-fn residuals<B: Backend>(
+fn residuals<B: Kernels>(
     x: Tensor<B, 3>,
     attn_out: Tensor<B, 3>,
     attn: &SelfAttention<B>,
@@ -512,12 +513,12 @@ fn residuals<B: Backend>(
 
 /// Attention of q and k already turned by the rotary embedding, heads merged:
 /// `[batch, tokens, heads · head_dim]`.
-fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
+fn attention<B: Kernels>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
     let out = sdpa(q, k, v);
     let [b, h, l, d] = out.dims();
     out.swap_dims(1, 2).reshape([b, l, h * d])
 }
 
-fn two<B: Backend>(sets: Vec<Modulation<B>>) -> [Modulation<B>; 2] {
+fn two<B: Kernels>(sets: Vec<Modulation<B>>) -> [Modulation<B>; 2] {
     sets.try_into().expect("two modulation sets")
 }

@@ -1,10 +1,11 @@
 //! One forward pass from files: a checkpoint, inputs under diffusers' argument names, and the
 //! output written as safetensors (what `burnlora forward` runs).
 
+use burn_kernels::Kernels;
 use std::io::Write;
 use std::path::Path;
 
-use burn::tensor::{DType, FloatDType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_quant::Checkpoint;
 use safetensors::tensor::TensorView;
 
@@ -30,7 +31,7 @@ const KEYS: [&str; 7] = [
 /// `inputs` holds `hidden_states` `[B, N, C]`, `encoder_hidden_states` `[B, T, D]`,
 /// `pooled_projections` `[B, P]`, `timestep` `[B]` (σ in `[0, 1]`), `guidance` `[B]` (only
 /// for a model with a guidance embedding), `img_ids` `[N, 3]` and `txt_ids` `[T, 3]`.
-pub fn forward_file<B: Backend>(
+pub fn forward_file<B: Kernels>(
     model: &Path,
     inputs: &Path,
     output: &Path,
@@ -46,7 +47,7 @@ pub fn forward_file<B: Backend>(
 }
 
 /// Reads and checks the inputs of one forward pass.
-fn read_inputs<B: Backend>(
+fn read_inputs<B: Kernels>(
     file: &Path,
     config: &FluxConfig,
     device: &B::Device,

@@ -5,7 +5,8 @@
 
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux/pipeline_flux.py (_pack_latents, _unpack_latents, _prepare_latent_image_ids, encode_prompt)
 
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, TensorData};
+use burn_kernels::Kernels;
 
 /// Each 2×2 patch of a latent as one token, its channels ordered `(channel, row, column)`.
 ///
@@ -15,7 +16,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 ///
 /// # Panics
 /// If a side is odd.
-pub fn pack_latents<B: Backend>(latents: Tensor<B, 4>) -> Tensor<B, 3> {
+pub fn pack_latents<B: Kernels>(latents: Tensor<B, 4>) -> Tensor<B, 3> {
     let [b, c, h, w] = latents.dims();
     assert!(
         h.is_multiple_of(2) && w.is_multiple_of(2),
@@ -35,7 +36,7 @@ pub fn pack_latents<B: Backend>(latents: Tensor<B, 4>) -> Tensor<B, 3> {
 ///
 /// # Panics
 /// If the token count does not match the sides, or a side is odd.
-pub fn unpack_latents<B: Backend>(
+pub fn unpack_latents<B: Kernels>(
     tokens: Tensor<B, 3>,
     height: usize,
     width: usize,

@@ -10,7 +10,8 @@
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux/pipeline_flux.py (encode_prompt)
 
 use burn::module::Module;
-use burn::tensor::{TensorData, backend::Backend};
+use burn::tensor::TensorData;
+use burn_kernels::Kernels;
 
 use crate::clip::ClipTextModel;
 use crate::error::LoadError;
@@ -20,7 +21,7 @@ use crate::tokenize::CaptionTokenizer;
 /// The pooled CLIP vector of each caption (`pooled_prompt_embeds`, `[hidden]` each, in the
 /// model's dtype), `batch_size` captions at a time. `tokenizer` is CLIP's (77 tokens for
 /// FLUX.1).
-pub fn encode_clip_pooled<B: Backend>(
+pub fn encode_clip_pooled<B: Kernels>(
     tokenizer: &CaptionTokenizer,
     encoder: ClipTextModel<B>,
     captions: &[&str],
@@ -44,7 +45,7 @@ pub fn encode_clip_pooled<B: Backend>(
 /// T5's last hidden state of each caption (`prompt_embeds`, `[tokens, d_model]` each, in the
 /// model's dtype), `batch_size` captions at a time. `tokenizer` is T5's, whose length is the
 /// pipeline's `max_sequence_length` (512 for FLUX.1-dev, 256 for schnell).
-pub fn encode_t5<B: Backend>(
+pub fn encode_t5<B: Kernels>(
     tokenizer: &CaptionTokenizer,
     encoder: T5Encoder<B>,
     captions: &[&str],
@@ -66,7 +67,7 @@ pub fn encode_t5<B: Backend>(
 }
 
 /// Drops a model and hands the memory its devices cached back.
-fn release<B: Backend, M: Module<B>>(model: M, devices: &[B::Device]) {
+fn release<B: Kernels, M: Module<B>>(model: M, devices: &[B::Device]) {
     drop(model);
     for device in devices {
         B::memory_cleanup(device);

@@ -4,6 +4,7 @@
 
 // ref: huggingface/transformers@v5.24.0 src/transformers/models/t5/modeling_t5.py
 
+use burn_kernels::Kernels;
 use std::path::Path;
 
 use burn::module::{Module, Param};
@@ -35,7 +36,7 @@ pub struct T5Encoder<B: Backend> {
 impl T5Config {
     /// A model of this shape with Burn's default initialization (weights are created lazily, on
     /// first use, in the device's default float dtype).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> T5Encoder<B> {
+    pub fn init<B: Kernels>(&self, device: &B::Device) -> T5Encoder<B> {
         T5Encoder {
             embed_tokens: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
             block: (0..self.num_layers)
@@ -47,7 +48,7 @@ impl T5Config {
     }
 }
 
-impl<B: Backend> T5Encoder<B> {
+impl<B: Kernels> T5Encoder<B> {
     /// Loads transformers' layout: a pipeline folder with `text_encoder_2/`, a model folder
     /// (`config.json` and one safetensors file or a shard index), or a single `.safetensors`
     /// file (ComfyUI's `t5xxl_*.safetensors`, bf16, f16, f32 or FP8), whose configuration is
@@ -173,7 +174,7 @@ pub struct T5Block<B: Backend> {
     pub feed_forward: T5FeedForward<B>,
 }
 
-impl<B: Backend> T5Block<B> {
+impl<B: Kernels> T5Block<B> {
     fn new(config: &T5Config, position_bias: bool, device: &B::Device) -> Self {
         let inner = config.num_heads * config.d_kv;
         let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
@@ -224,7 +225,7 @@ pub struct T5SelfAttention<B: Backend> {
     pub relative_attention_bias: Option<Embedding<B>>,
 }
 
-impl<B: Backend> T5SelfAttention<B> {
+impl<B: Kernels> T5SelfAttention<B> {
     /// # Shapes
     /// - `x`: `[batch, tokens, d_model]`; `bias`: `[batch, heads, tokens, tokens]`; output:
     ///   like `x`
@@ -325,7 +326,7 @@ pub struct T5FeedForward<B: Backend> {
     pub wo: Linear<B>,
 }
 
-impl<B: Backend> T5FeedForward<B> {
+impl<B: Kernels> T5FeedForward<B> {
     /// # Shapes
     /// - `x`: `[batch, tokens, d_model]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, config: &T5Config) -> Tensor<B, 3> {
@@ -344,7 +345,7 @@ pub struct T5LayerNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
 }
 
-impl<B: Backend> T5LayerNorm<B> {
+impl<B: Kernels> T5LayerNorm<B> {
     fn new(dim: usize, device: &B::Device) -> Self {
         Self {
             weight: Initializer::Ones.init([dim], device),

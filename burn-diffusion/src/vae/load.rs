@@ -1,8 +1,9 @@
 //! Loading a VAE from a diffusers folder or a single file, one tensor at a time.
 
+use burn_kernels::Kernels;
 use std::path::Path;
 
-use burn::tensor::{FloatDType, backend::Backend};
+use burn::tensor::FloatDType;
 use burn_quant::Checkpoint;
 
 use super::keys::{KeyScheme, VaeLayout, parameter_name};
@@ -65,7 +66,7 @@ impl VaeCheckpoint {
 
     /// Builds the model with its weights in `dtype` on `device`; every missing, unexpected or
     /// mis-shaped tensor is reported at once in [`LoadError::Keys`].
-    pub fn load<B: Backend>(
+    pub fn load<B: Kernels>(
         &self,
         device: &B::Device,
         dtype: FloatDType,
@@ -76,7 +77,7 @@ impl VaeCheckpoint {
     }
 }
 
-impl<B: Backend> AutoencoderKl<B> {
+impl<B: Kernels> AutoencoderKl<B> {
     /// Opens and loads a checkpoint (see [`VaeCheckpoint::open`] and [`VaeCheckpoint::load`]).
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
         VaeCheckpoint::open(path)?.load(device, dtype)

@@ -15,6 +15,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{GroupNorm, GroupNormConfig, Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::silu;
 use burn::tensor::{DType, Tensor, backend::Backend};
+use burn_kernels::Kernels;
 
 use super::VaeConfig;
 use crate::blocks::sdpa;
@@ -50,7 +51,7 @@ pub struct LatentDistribution<B: Backend> {
     pub logvar: Tensor<B, 4>,
 }
 
-impl<B: Backend> LatentDistribution<B> {
+impl<B: Kernels> LatentDistribution<B> {
     /// The most likely latent (diffusers' `latent_dist.mode()`).
     pub fn mode(&self) -> Tensor<B, 4> {
         self.mean.clone()
@@ -69,7 +70,7 @@ impl VaeConfig {
     ///
     /// # Panics
     /// If the configuration is inconsistent (see [`VaeConfig::validate`]).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> AutoencoderKl<B> {
+    pub fn init<B: Kernels>(&self, device: &B::Device) -> AutoencoderKl<B> {
         if let Err(message) = self.validate() {
             panic!("invalid VAE config: {message}");
         }
@@ -88,7 +89,7 @@ impl VaeConfig {
     }
 }
 
-impl<B: Backend> AutoencoderKl<B> {
+impl<B: Kernels> AutoencoderKl<B> {
     /// The model's configuration.
     pub fn config(&self) -> &VaeConfig {
         &self.config
@@ -160,7 +161,7 @@ pub struct Encoder<B: Backend> {
     pub conv_out: Conv2d<B>,
 }
 
-impl<B: Backend> Encoder<B> {
+impl<B: Kernels> Encoder<B> {
     fn new(config: &VaeConfig, device: &B::Device) -> Self {
         let widths = &config.block_out_channels;
         let last = *widths.last().expect("validated: at least one level");
@@ -226,7 +227,7 @@ pub struct Decoder<B: Backend> {
     pub conv_out: Conv2d<B>,
 }
 
-impl<B: Backend> Decoder<B> {
+impl<B: Kernels> Decoder<B> {
     fn new(config: &VaeConfig, device: &B::Device) -> Self {
         let reversed: Vec<usize> = config.block_out_channels.iter().rev().copied().collect();
         let first = reversed[0];
@@ -286,7 +287,7 @@ pub struct DownEncoderBlock2D<B: Backend> {
     pub downsamplers: Vec<Downsample2D<B>>,
 }
 
-impl<B: Backend> DownEncoderBlock2D<B> {
+impl<B: Kernels> DownEncoderBlock2D<B> {
     /// # Shapes
     /// - `x`: `[batch, c_in, h, w]`; output: `[batch, c_out, h / 2, w / 2]` (no halving at the
     ///   coarsest level)
@@ -306,7 +307,7 @@ pub struct UpDecoderBlock2D<B: Backend> {
     pub upsamplers: Vec<Upsample2D<B>>,
 }
 
-impl<B: Backend> UpDecoderBlock2D<B> {
+impl<B: Kernels> UpDecoderBlock2D<B> {
     /// # Shapes
     /// - `x`: `[batch, c_in, h, w]`; output: `[batch, c_out, 2h, 2w]` (no doubling at the finest
     ///   level)
@@ -325,7 +326,7 @@ pub struct UNetMidBlock2D<B: Backend> {
     pub attentions: Vec<SpatialAttention<B>>,
 }
 
-impl<B: Backend> UNetMidBlock2D<B> {
+impl<B: Kernels> UNetMidBlock2D<B> {
     fn new(width: usize, config: &VaeConfig, device: &B::Device) -> Self {
         Self {
             resnets: (0..2)
@@ -369,7 +370,7 @@ pub struct ResnetBlock2D<B: Backend> {
     pub conv_shortcut: Option<Conv2d<B>>,
 }
 
-impl<B: Backend> ResnetBlock2D<B> {
+impl<B: Kernels> ResnetBlock2D<B> {
     fn new(input: usize, output: usize, config: &VaeConfig, device: &B::Device) -> Self {
         Self {
             norm1: group_norm(input, config, device),
@@ -403,7 +404,7 @@ pub struct Downsample2D<B: Backend> {
     pub conv: Conv2d<B>,
 }
 
-impl<B: Backend> Downsample2D<B> {
+impl<B: Kernels> Downsample2D<B> {
     fn new(width: usize, device: &B::Device) -> Self {
         Self {
             conv: Conv2dConfig::new([width, width], [3, 3])
@@ -422,7 +423,7 @@ impl<B: Backend> Downsample2D<B> {
 /// One row of zeros below and one column on the right (PyTorch's `F.pad(x, (0, 1, 0, 1))`), in
 /// the input's dtype. Burn 0.21's asymmetric convolution padding makes its zeros in the
 /// device's default dtype, which fails for bf16 activations on an f32 device.
-fn pad_bottom_right<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+fn pad_bottom_right<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, c, h, w] = x.dims();
     let (device, dtype) = (x.device(), x.dtype());
     let x = Tensor::cat(vec![x, Tensor::zeros([b, c, h, 1], (&device, dtype))], 3);
@@ -439,7 +440,7 @@ pub struct Upsample2D<B: Backend> {
     pub conv: Conv2d<B>,
 }
 
-impl<B: Backend> Upsample2D<B> {
+impl<B: Kernels> Upsample2D<B> {
     fn new(width: usize, device: &B::Device) -> Self {
         Self {
             conv: conv(width, width, 3, device),
@@ -455,7 +456,7 @@ impl<B: Backend> Upsample2D<B> {
 
 /// Each pixel repeated twice along both sides (PyTorch's `interpolate(scale_factor=2,
 /// mode="nearest")`).
-fn nearest_2x<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+fn nearest_2x<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, c, h, w] = x.dims();
     x.reshape([b, c, h, 1, w, 1])
         .expand([b, c, h, 2, w, 2])
@@ -478,7 +479,7 @@ pub struct SpatialAttention<B: Backend> {
     pub to_out: Linear<B>,
 }
 
-impl<B: Backend> SpatialAttention<B> {
+impl<B: Kernels> SpatialAttention<B> {
     fn new(width: usize, config: &VaeConfig, device: &B::Device) -> Self {
         let linear = || LinearConfig::new(width, width).init(device);
         Self {
@@ -509,7 +510,7 @@ impl<B: Backend> SpatialAttention<B> {
 }
 
 /// A 3×3 (padding 1) or 1×1 convolution with bias.
-fn conv<B: Backend>(input: usize, output: usize, kernel: usize, device: &B::Device) -> Conv2d<B> {
+fn conv<B: Kernels>(input: usize, output: usize, kernel: usize, device: &B::Device) -> Conv2d<B> {
     Conv2dConfig::new([input, output], [kernel, kernel])
         .with_padding(PaddingConfig2d::Explicit(
             kernel / 2,
@@ -520,7 +521,7 @@ fn conv<B: Backend>(input: usize, output: usize, kernel: usize, device: &B::Devi
         .init(device)
 }
 
-fn group_norm<B: Backend>(channels: usize, config: &VaeConfig, device: &B::Device) -> GroupNorm<B> {
+fn group_norm<B: Kernels>(channels: usize, config: &VaeConfig, device: &B::Device) -> GroupNorm<B> {
     GroupNormConfig::new(config.norm_num_groups, channels)
         .with_epsilon(EPS)
         .init(device)
@@ -528,7 +529,7 @@ fn group_norm<B: Backend>(channels: usize, config: &VaeConfig, device: &B::Devic
 
 /// `norm`'s group normalization with its statistics and affine transform in f32, the result in
 /// the input's dtype: the normalization every block of the VAE uses.
-pub fn norm_in_f32<B: Backend>(norm: &GroupNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn norm_in_f32<B: Kernels>(norm: &GroupNorm<B>, x: Tensor<B, 4>) -> Tensor<B, 4> {
     let dtype = x.dtype();
     let [b, c, h, w] = x.dims();
     let groups = norm.num_groups;

@@ -5,14 +5,13 @@
 //! Each forwarded method is one line of [`forward!`]: a conversion for the result and one per
 //! argument. Float tensors go through `lower` (a streamed weight is materialized there) and come
 //! back through `lift`; other types pass through `keep`. The matrix products (`float_matmul`
-//! and the linear ops) go through `products.rs`, which hands them to the inner backend's vendor
-//! BLAS where it has one.
+//! and the linear ops) go through burn-kernels' `products`, which hands them to the inner
+//! backend's vendor BLAS where it has one and the installed options route them there.
 
 mod activation;
 mod bool_tensor;
 mod int_tensor;
 mod module;
-mod products;
 mod qtensor;
 mod tensor;
 mod transaction;

@@ -7,10 +7,11 @@ use burn::tensor::ops::{
     DeformConvOptions, FloatTensor, IntTensor, InterpolateOptions, MaxPool1dBackward,
     MaxPool1dWithIndices, MaxPool2dBackward, MaxPool2dWithIndices, ModuleOps, UnfoldOptions,
 };
+use burn_kernels::{KernelOptions, products};
 
 use super::{
     forward, keep, lift, lift_deform_backward, lift_pair, lift_pool1d, lift_pool1d_backward,
-    lift_pool2d, lift_pool2d_backward, lower, lower_opt, products,
+    lift_pool2d, lift_pool2d_backward, lower, lower_opt,
 };
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
 use crate::target::StreamTarget;
@@ -31,9 +32,15 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        let options = KernelOptions::current();
         let bias = lower_opt(bias);
         let Some(streamed) = weight.as_streamed() else {
-            return lift(products::linear::<B>(lower(x), lower(weight), bias));
+            return lift(products::linear::<B>(
+                lower(x),
+                lower(weight),
+                bias,
+                &options,
+            ));
         };
         // Burn's layout: weight [d_input, d_output].
         let flops = linear_flops(&x, &streamed.weight.shape, 1);
@@ -42,7 +49,7 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             streamed
                 .engine
                 .with_weight(&streamed.weight, flops, P::depth, |w| {
-                    products::linear::<B>(x, w, bias)
+                    products::linear::<B>(x, w, bias, &options)
                 }),
         )
     }
@@ -51,10 +58,12 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let options = KernelOptions::current();
         let Some(streamed) = weight.as_streamed() else {
             return lift(products::linear_x_backward::<B>(
                 lower(weight),
                 lower(output_grad),
+                &options,
             ));
         };
         let flops = linear_flops(&output_grad, &streamed.weight.shape, 0);
@@ -63,7 +72,7 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             streamed
                 .engine
                 .with_weight(&streamed.weight, flops, P::depth, |w| {
-                    products::linear_x_backward::<B>(w, grad)
+                    products::linear_x_backward::<B>(w, grad, &options)
                 }),
         )
     }
@@ -75,6 +84,7 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         lift(products::linear_weight_backward::<B>(
             lower(x),
             lower(output_grad),
+            &KernelOptions::current(),
         ))
     }
 

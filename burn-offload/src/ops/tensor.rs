@@ -11,9 +11,10 @@ use burn::tensor::{
     TensorData,
 };
 
-use super::{forward, keep, lift, lift_first, lower, lower_vec, products};
+use super::{forward, keep, lift, lift_first, lower, lower_vec};
 use crate::backend::{Offload, PrefetchPolicy};
 use crate::target::StreamTarget;
+use burn_kernels::{KernelOptions, products};
 
 impl<B: StreamTarget, P: PrefetchPolicy> FloatTensorOps<Self> for Offload<B, P> {
     fn float_into_data(
@@ -23,7 +24,11 @@ impl<B: StreamTarget, P: PrefetchPolicy> FloatTensorOps<Self> for Offload<B, P> 
     }
 
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        lift(products::matmul::<B>(lower(lhs), lower(rhs)))
+        lift(products::matmul::<B>(
+            lower(lhs),
+            lower(rhs),
+            &KernelOptions::current(),
+        ))
     }
 
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {

@@ -28,7 +28,7 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::client::ComputeClient;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{array, contiguous_as, empty_like, vector_array, widest_vector};
+use crate::cube::{array, contiguous_as, empty_like, vector_array, widest_vector};
 
 /// Units per cube at most: a cube holds as many whole rows as fit.
 pub const CUBE_UNITS: usize = 256;

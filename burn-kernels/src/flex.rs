@@ -1,15 +1,68 @@
-//! The fused elementwise ops on the CPU, for `Flex`: the device kernels' arithmetic
-//! (`unary_kernel.rs`, `norm_rope_kernel.rs`) in f32, row by row, stored in the input's dtype.
-//! They give `Autodiff<Offload<Flex>>` the same fused autodiff ops as CUDA, so the CPU tests run
-//! the ops' dispatch, recording and backward end to end.
+//! [`FusedOps`] for `Flex`: the fused elementwise ops on the CPU, the device kernels'
+//! arithmetic (`cube/unary.rs`, `cube/norm_rope.rs`) in f32, row by row, stored in the input's
+//! dtype, so that the CPU tests run the entry points, the autodiff recording and the backward
+//! end to end. Attention and products stay with Flex's own ops.
 
 use burn::backend::Flex;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{TensorData, TensorMetadata};
 use cubecl_common::future::block_on;
 
-use crate::norm_rope::NormRope;
-use crate::unary::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
+use crate::fused::{FusedOps, GELU_CUBIC as CUBIC, NoKernel, NormRope, SQRT_2_OVER_PI, UnaryOp};
+use crate::options::KernelOptions;
+
+impl FusedOps for Flex {
+    type Attention = NoKernel;
+
+    fn fused_attention(
+        _q: &FloatTensor<Self>,
+        _k: &FloatTensor<Self>,
+        _v: &FloatTensor<Self>,
+        _scale: f32,
+        _options: &KernelOptions,
+    ) -> Option<(FloatTensor<Self>, NoKernel)> {
+        None
+    }
+
+    fn fused_attention_backward(
+        _qkv: [&FloatTensor<Self>; 3],
+        saved: &NoKernel,
+        _grad: FloatTensor<Self>,
+        _scale: f32,
+    ) -> [FloatTensor<Self>; 3] {
+        match *saved {}
+    }
+
+    fn fused_unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        _options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        Some(unary(op, x))
+    }
+
+    fn fused_unary_backward(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        unary_backward(op, x, &grad)
+    }
+
+    fn fused_norm_rope(
+        operands: &NormRope<Self>,
+        _options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        Some(norm_rope(operands))
+    }
+
+    fn fused_norm_rope_backward(
+        operands: &NormRope<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        norm_rope_backward(operands, &grad)
+    }
+}
 
 /// A tensor's values as f32, and its shape.
 fn values(t: &FloatTensor<Flex>) -> (Vec<f32>, Vec<usize>) {
@@ -63,7 +116,7 @@ fn row_statistics(x: &[f32], eps: f32) -> (f32, f32) {
 }
 
 /// `op` on `x`.
-pub fn unary(op: UnaryOp, x: &FloatTensor<Flex>) -> FloatTensor<Flex> {
+fn unary(op: UnaryOp, x: &FloatTensor<Flex>) -> FloatTensor<Flex> {
     by_rows(x, None, |_, x, _, out| match op {
         UnaryOp::GeluTanh => {
             for (o, &v) in out.iter_mut().zip(x) {
@@ -80,7 +133,7 @@ pub fn unary(op: UnaryOp, x: &FloatTensor<Flex>) -> FloatTensor<Flex> {
 }
 
 /// The gradient of `x` given `grad`, the gradient of `op` on `x`.
-pub fn unary_backward(
+fn unary_backward(
     op: UnaryOp,
     x: &FloatTensor<Flex>,
     grad: &FloatTensor<Flex>,
@@ -143,7 +196,7 @@ fn inverse_rms(x: &[f32], eps: f32) -> f32 {
 }
 
 /// The RMS norm of each row of `o.x` times the scale, turned by its token's angles.
-pub fn norm_rope(o: &NormRope<Flex>) -> FloatTensor<Flex> {
+fn norm_rope(o: &NormRope<Flex>) -> FloatTensor<Flex> {
     let t = Tables::new(o);
     by_rows(&o.x, None, |row, x, _, out| {
         let inverse = inverse_rms(x, o.eps);
@@ -158,7 +211,7 @@ pub fn norm_rope(o: &NormRope<Flex>) -> FloatTensor<Flex> {
 }
 
 /// The gradient of `o.x` given `grad`, the gradient of [`norm_rope`]'s output.
-pub fn norm_rope_backward(o: &NormRope<Flex>, grad: &FloatTensor<Flex>) -> FloatTensor<Flex> {
+fn norm_rope_backward(o: &NormRope<Flex>, grad: &FloatTensor<Flex>) -> FloatTensor<Flex> {
     let t = Tables::new(o);
     by_rows(&o.x, Some(grad), |row, x, g, out| {
         let inverse = inverse_rms(x, o.eps);

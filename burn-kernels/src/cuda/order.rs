@@ -15,55 +15,24 @@
 //! `cuStreamWriteValue32`, would spare those two kernels, but reject CubeCL's buffers, which come
 //! from the stream-ordered allocator: `CUDA_ERROR_INVALID_VALUE` on the H200.)
 //!
-//! Host order (`BURN_LORA_ORDER=host`, and the fallback when the other stream's kernels cannot
-//! be compiled or launched): the compute stream is drained before the work and the other stream synchronized
+//! Host order ([`StreamOrder::Host`], and the fallback of a call whose flag kernels cannot be
+//! compiled or launched): the compute stream is drained before the work and the other stream synchronized
 //! after it; the GPU idles while the host queues the kernels that follow.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use crate::cuda::{address, compile_module, drain};
-use crate::flag_kernel::{DONE, RAISED, flags, raise, wait_for};
-
-/// How the two streams are kept in step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Order {
-    /// Flags in device memory; the host does not wait.
-    Device,
-    /// Host synchronization on both sides.
-    Host,
-}
-
-fn chosen() -> Order {
-    static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| {
-        if matches!(std::env::var("BURN_LORA_ORDER").as_deref(), Ok("host")) {
-            tracing::info!("cuBLAS and attention kernels ordered by host waits (BURN_LORA_ORDER=host)");
-            Order::Host
-        } else {
-            tracing::info!(
-                "cuBLAS and attention kernels ordered on the device (BURN_LORA_ORDER=host waits on the host instead)"
-            );
-            Order::Device
-        }
-    })
-}
-
-/// Set once the other stream's flag kernels have failed: later work is host-ordered.
-static DEVICE_FAILED: AtomicBool = AtomicBool::new(false);
-
-/// Whether work is ordered on the device now (chosen and not fallen back).
-pub(crate) fn device_ordered() -> bool {
-    chosen() == Order::Device && !DEVICE_FAILED.load(Ordering::Relaxed)
-}
+use crate::cube::flag::{DONE, RAISED, flags, raise, wait_for};
+use crate::cuda::{SideContext, address, compile_module, drain};
+use crate::error::{KernelError, fell_back};
+use crate::options::StreamOrder;
 
 /// One thread's flags on one device, and the last value raised.
 struct Flags {
@@ -116,15 +85,19 @@ extern "C" __global__ void set_flag(unsigned int* flag, unsigned int value) {
 "#;
 
 /// The other stream's flag kernels for one device.
-struct Side {
+pub(crate) struct FlagKernels {
     wait: CudaFunction,
     set: CudaFunction,
 }
 
-impl Side {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Self, String> {
+impl FlagKernels {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self, KernelError> {
         let module = compile_module(ctx, "order_flags.cu", SIDE_KERNELS, Vec::new())?;
-        let function = |name| module.load_function(name).map_err(|e| e.to_string());
+        let function = |name| {
+            module
+                .load_function(name)
+                .map_err(KernelError::device("loading a flag kernel"))
+        };
         Ok(Self {
             wait: function("wait_flag")?,
             set: function("set_flag")?,
@@ -137,47 +110,41 @@ impl Side {
         stream: &CudaStream,
         flag: u64,
         value: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let mut launch = stream.launch_builder(function);
         launch.arg(&flag).arg(&value);
         // SAFETY: the arguments match the kernels' parameters; `flag` is the address of a live
         // `u32` in device memory (the thread's flags).
         unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }
             .map(drop)
-            .map_err(|e| e.to_string())
-    }
-}
-
-/// The other stream's flag kernels for `ctx`'s device, compiled on first use; `None` (said
-/// once, and host order from then on) when they cannot be.
-fn side(ctx: &Arc<CudaContext>) -> Option<Arc<Side>> {
-    static SIDE: OnceLock<Mutex<HashMap<usize, Arc<Side>>>> = OnceLock::new();
-    let mut all = SIDE.get_or_init(Default::default).lock().unwrap();
-    if let Some(side) = all.get(&ctx.ordinal()) {
-        return Some(side.clone());
-    }
-    match Side::new(ctx) {
-        Ok(side) => Some(all.entry(ctx.ordinal()).or_insert(Arc::new(side)).clone()),
-        Err(reason) => {
-            fall_back(&reason);
-            None
-        }
+            .map_err(KernelError::device("launching a flag kernel"))
     }
 }
 
 /// Runs `work`, which queues device work on `stream` outside CubeCL's order, as if it were
 /// queued on the calling thread's compute stream at this point: it starts after every kernel
-/// queued before, and every kernel queued after starts after it. An error of `work` is
-/// returned once `stream` has finished what it queued.
+/// queued before, and every kernel queued after starts after it. Under device `order`, a call
+/// whose flag kernels fail falls back to host order (logged). An error of `work` is returned
+/// once `stream` has finished what it queued.
 pub(crate) fn ordered(
     client: &ComputeClient<CudaRuntime>,
-    ctx: &Arc<CudaContext>,
+    side: &SideContext,
     stream: &CudaStream,
-    work: impl FnOnce() -> Result<(), String>,
-) -> Result<(), String> {
-    ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    let Some(side) = device_ordered().then(|| side(ctx)).flatten() else {
+    order: StreamOrder,
+    work: impl FnOnce() -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    let ctx = side.context();
+    ctx.bind_to_thread()
+        .map_err(KernelError::device("binding the CUDA context"))?;
+    if order == StreamOrder::Host {
         return host_ordered(client, stream, work);
+    }
+    let kernels = match side.flag_kernels() {
+        Ok(kernels) => kernels,
+        Err(error) => {
+            fell_back("device-side ordering", &error);
+            return host_ordered(client, stream, work);
+        }
     };
     let Some((value, buffer, base)) = next(client, ctx) else {
         return host_ordered(client, stream, work);
@@ -185,38 +152,39 @@ pub(crate) fn ordered(
     let raised = base + (RAISED * size_of::<u32>()) as u64;
     let done = base + (DONE * size_of::<u32>()) as u64;
     raise(client, &buffer, value);
-    client
-        .exclusive(|| ())
-        .map_err(|e| format!("waiting for CubeCL's device thread: {e:?}"))?;
-    if let Err(reason) = Side::launch(&side.wait, stream, raised, value) {
-        fall_back(&reason);
+    client.exclusive(|| ()).map_err(|e| KernelError::Device {
+        action: "waiting for CubeCL's device thread",
+        reason: format!("{e:?}"),
+    })?;
+    if let Err(error) = FlagKernels::launch(&kernels.wait, stream, raised, value) {
+        fell_back("device-side ordering", &error);
         return host_ordered(client, stream, work);
     }
-    if let Err(reason) = work() {
-        stream.synchronize().map_err(|e| e.to_string())?;
-        return Err(reason);
+    if let Err(error) = work() {
+        synchronize(stream)?;
+        return Err(error);
     }
-    if let Err(reason) = Side::launch(&side.set, stream, done, value) {
-        fall_back(&reason);
-        return stream.synchronize().map_err(|e| e.to_string());
+    if let Err(error) = FlagKernels::launch(&kernels.set, stream, done, value) {
+        fell_back("device-side ordering", &error);
+        return synchronize(stream);
     }
     wait_for(client, &buffer, value);
     Ok(())
 }
 
-/// Host order from now on, after the other stream's flag kernels failed.
-fn fall_back(reason: &str) {
-    tracing::warn!("device-side ordering unavailable ({reason}); host waits from now on");
-    DEVICE_FAILED.store(true, Ordering::Relaxed);
+fn synchronize(stream: &CudaStream) -> Result<(), KernelError> {
+    stream
+        .synchronize()
+        .map_err(KernelError::device("waiting for a side stream"))
 }
 
 /// `work` between a drain of the compute stream and a synchronization of `stream`.
 fn host_ordered(
     client: &ComputeClient<CudaRuntime>,
     stream: &CudaStream,
-    work: impl FnOnce() -> Result<(), String>,
-) -> Result<(), String> {
+    work: impl FnOnce() -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
     drain(client);
     work()?;
-    stream.synchronize().map_err(|e| e.to_string())
+    synchronize(stream)
 }

@@ -1,24 +1,43 @@
-//! The matrix products, on the inner backend: through its vendor BLAS
-//! ([`StreamTarget::blas_matmul`]) where it has one and takes the layouts, else through its own
-//! op of the same name, so a backend without BLAS runs exactly what it ran before.
+//! The matrix products of a decorator's ops on the backend it decorates: through the vendor
+//! BLAS ([`FusedOps::blas_matmul`]) where the backend has one, the options route the product
+//! there and it takes the layouts, else through the backend's own op of the same name, so a
+//! backend without BLAS runs exactly what it ran before.
 
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
-use crate::target::StreamTarget;
+use crate::counters::count_blas_product;
+use crate::fused::FusedOps;
+use crate::options::KernelOptions;
+
+/// The vendor BLAS's product, counted.
+fn blas<B: FusedOps>(
+    lhs: &FloatTensor<B>,
+    rhs: &FloatTensor<B>,
+    options: &KernelOptions,
+) -> Option<FloatTensor<B>> {
+    let out = B::blas_matmul(lhs, rhs, options)?;
+    count_blas_product();
+    Some(out)
+}
 
 /// `lhs · rhs`, as `float_matmul`.
-pub(super) fn matmul<B: StreamTarget>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
-    B::blas_matmul(&lhs, &rhs).unwrap_or_else(|| B::float_matmul(lhs, rhs))
+pub fn matmul<B: FusedOps>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    options: &KernelOptions,
+) -> FloatTensor<B> {
+    blas::<B>(&lhs, &rhs, options).unwrap_or_else(|| B::float_matmul(lhs, rhs))
 }
 
 /// `x · weight + bias` (weight `[d_input, d_output]`), as `linear`.
-pub(super) fn linear<B: StreamTarget>(
+pub fn linear<B: FusedOps>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
+    options: &KernelOptions,
 ) -> FloatTensor<B> {
-    let Some(out) = B::blas_matmul(&x, &weight) else {
+    let Some(out) = blas::<B>(&x, &weight, options) else {
         return B::linear(x, weight, bias);
     };
     let Some(bias) = bias else {
@@ -32,13 +51,14 @@ pub(super) fn linear<B: StreamTarget>(
 }
 
 /// `output_grad · weightᵀ`, as `linear_x_backward`.
-pub(super) fn linear_x_backward<B: StreamTarget>(
+pub fn linear_x_backward<B: FusedOps>(
     weight: FloatTensor<B>,
     output_grad: FloatTensor<B>,
+    options: &KernelOptions,
 ) -> FloatTensor<B> {
-    if B::blas_enabled() {
+    if B::blas_routes(options) {
         let weight_t = B::float_swap_dims(weight.clone(), 0, 1);
-        if let Some(grad) = B::blas_matmul(&output_grad, &weight_t) {
+        if let Some(grad) = blas::<B>(&output_grad, &weight_t, options) {
             return grad;
         }
     }
@@ -47,11 +67,12 @@ pub(super) fn linear_x_backward<B: StreamTarget>(
 
 /// `xᵀ · output_grad` summed over the batch dimensions, as `linear_weight_backward`: one
 /// product over all rows at once.
-pub(super) fn linear_weight_backward<B: StreamTarget>(
+pub fn linear_weight_backward<B: FusedOps>(
     x: FloatTensor<B>,
     output_grad: FloatTensor<B>,
+    options: &KernelOptions,
 ) -> FloatTensor<B> {
-    if B::blas_enabled() {
+    if B::blas_routes(options) {
         let rows = |t: &FloatTensor<B>| {
             let shape = t.shape();
             let cols = shape[shape.num_dims() - 1];
@@ -59,7 +80,7 @@ pub(super) fn linear_weight_backward<B: StreamTarget>(
         };
         let x_t = B::float_swap_dims(B::float_reshape(x.clone(), rows(&x)), 0, 1);
         let grad = B::float_reshape(output_grad.clone(), rows(&output_grad));
-        if let Some(weight_grad) = B::blas_matmul(&x_t, &grad) {
+        if let Some(weight_grad) = blas::<B>(&x_t, &grad, options) {
             return weight_grad;
         }
     }

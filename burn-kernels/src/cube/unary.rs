@@ -22,10 +22,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::cube_tensor::{
-    array, contiguous_as, empty_like, one_unit_each, vector_array, widest_vector,
-};
-use crate::unary::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
+use crate::cube::{array, contiguous_as, empty_like, one_unit_each, vector_array, widest_vector};
+use crate::fused::{GELU_CUBIC as CUBIC, SQRT_2_OVER_PI, UnaryOp};
 
 /// GELU (tanh) of `v`.
 #[cube]

@@ -3,22 +3,23 @@
 //! [`attention`](crate::attention); ordered against CubeCL's stream as the cuBLAS products are
 //! (`order.rs`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use crate::cuda::{address, compile_module, compute_capability};
-use crate::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
-use crate::order::ordered;
+use crate::cuda::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
+use crate::cuda::order::ordered;
+use crate::cuda::{SideContext, address, compile_module, compute_capability};
+use crate::error::{KernelError, fell_back};
+use crate::options::StreamOrder;
 
 /// Threads per block of the two main kernels.
 const THREADS: u32 = 128;
@@ -36,8 +37,7 @@ struct Strides {
 unsafe impl DeviceRepr for Strides {}
 
 /// The kernels for one device and head size, with the stream they run on.
-struct Kernels {
-    ctx: Arc<CudaContext>,
+pub(crate) struct FlashKernels {
     stream: Arc<CudaStream>,
     forward: CudaFunction,
     delta: CudaFunction,
@@ -47,24 +47,30 @@ struct Kernels {
     backward_shared: usize,
 }
 
-impl Kernels {
-    fn new(device: &CudaDevice, head_dim: usize) -> Result<Self, String> {
-        let ctx = CudaContext::new(device.index).map_err(|e| e.to_string())?;
-        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-        let (major, minor) = compute_capability(&ctx)?;
+impl FlashKernels {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, head_dim: usize) -> Result<Self, KernelError> {
+        let stream = ctx
+            .new_stream()
+            .map_err(KernelError::device("creating the attention stream"))?;
+        let (major, minor) = compute_capability(ctx)?;
         if major < 8 {
-            return Err(format!(
+            return Err(KernelError::Unsupported(format!(
                 "compute capability {major}.{minor} has no bf16 tensor cores"
-            ));
+            )));
         }
         let shared = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| e.to_string())? as usize;
+            .map_err(KernelError::device("reading the shared memory per block"))?
+            as usize;
         let stages = backward_stages(head_dim, shared)
             .filter(|_| forward_shared(head_dim) <= shared)
-            .ok_or_else(|| format!("{shared} bytes of shared memory per block are too few"))?;
+            .ok_or_else(|| {
+                KernelError::Unsupported(format!(
+                    "{shared} bytes of shared memory per block are too few"
+                ))
+            })?;
         let module = compile_module(
-            &ctx,
+            ctx,
             "flash_attention.cu",
             include_str!("flash_attention.cu"),
             vec![
@@ -73,13 +79,17 @@ impl Kernels {
                 "--std=c++17".into(),
             ],
         )?;
-        let function = |name: &str, shared: usize| -> Result<CudaFunction, String> {
-            let f = module.load_function(name).map_err(|e| e.to_string())?;
+        let function = |name: &str, shared: usize| -> Result<CudaFunction, KernelError> {
+            let f = module
+                .load_function(name)
+                .map_err(KernelError::device("loading an attention kernel"))?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared as i32,
             )
-            .map_err(|e| format!("{name}: {e}"))?;
+            .map_err(KernelError::device(
+                "setting an attention kernel's shared memory",
+            ))?;
             Ok(f)
         };
         let backward_bytes = backward_shared(head_dim, stages);
@@ -89,31 +99,9 @@ impl Kernels {
             backward: function("flash_backward", backward_bytes)?,
             dq: function("flash_backward_dq", 0)?,
             backward_shared: backward_bytes,
-            ctx,
             stream,
         })
     }
-}
-
-/// The kernels for `device` and `head_dim`, compiled on first use; `None` (said once) when they
-/// cannot be.
-fn kernels(device: &CudaDevice, head_dim: usize) -> Option<Arc<Mutex<Kernels>>> {
-    type Cache = Mutex<HashMap<(usize, usize), Option<Arc<Mutex<Kernels>>>>>;
-    static CACHE: OnceLock<Cache> = OnceLock::new();
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap();
-    cache
-        .entry((device.index, head_dim))
-        .or_insert_with(|| match Kernels::new(device, head_dim) {
-            Ok(kernels) => Some(Arc::new(Mutex::new(kernels))),
-            Err(reason) => {
-                tracing::warn!(
-                    "fused attention unavailable for head size {head_dim} ({reason}); \
-                     attention runs as separate products and a softmax"
-                );
-                None
-            }
-        })
-        .clone()
 }
 
 /// `[batch, heads, rows, head_dim]` of a bf16 tensor the kernels can read in place (unit stride
@@ -201,17 +189,41 @@ fn empty(
     )
 }
 
-/// `softmax(scale · q kᵀ) v` and the rows' base-2 log-sum-exp (f32 `[b, h, lq]`, for the
-/// backward pass), or `None` when the kernels do not take these tensors (dtype other than bf16,
-/// head size other than 64 or 128, layout) or are unavailable.
+/// What the backward pass of one fused attention needs from its forward pass.
+#[derive(Debug, Clone)]
+pub struct FlashSaved {
+    /// The output, `[batch, heads, len_q, head_dim]` bf16.
+    output: CubeTensor<CudaRuntime>,
+    /// Per query row, the base-2 log-sum-exp of its scores, f32 `[batch, heads, len_q]`.
+    row_stats: CubeTensor<CudaRuntime>,
+    /// How the forward was ordered with CubeCL's stream; the backward is ordered the same way.
+    order: StreamOrder,
+}
+
+/// `softmax(scale · q kᵀ) v` and what its backward needs, or `None` when the kernels do not take
+/// these tensors (dtype other than bf16, head size other than 64 or 128, layout) or fail (logged).
 pub(crate) fn forward(
     q: &CubeTensor<CudaRuntime>,
     k: &CubeTensor<CudaRuntime>,
     v: &CubeTensor<CudaRuntime>,
     scale: f32,
-) -> Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+    order: StreamOrder,
+) -> Option<(CubeTensor<CudaRuntime>, FlashSaved)> {
     let problem = Problem::new(q, k, v)?;
-    let kernels = kernels(&q.device, problem.head_dim)?;
+    let side = match SideContext::of(&q.device) {
+        Ok(side) => side,
+        Err(error) => {
+            fell_back("fused attention", &error);
+            return None;
+        }
+    };
+    let kernels = match side.flash(problem.head_dim) {
+        Ok(kernels) => kernels,
+        Err(error) => {
+            fell_back("fused attention", &error);
+            return None;
+        }
+    };
     let Problem {
         batch,
         heads,
@@ -229,7 +241,7 @@ pub(crate) fn forward(
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let launched = ordered(client, &kernels.ctx, &kernels.stream, || {
+    let launched = ordered(client, &side, &kernels.stream, order, || {
         let mut launch = kernels.stream.launch_builder(&kernels.forward);
         launch
             .arg(&qp)
@@ -254,24 +266,29 @@ pub(crate) fn forward(
             })
         }
         .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(KernelError::device("launching the attention forward"))
     });
     match launched {
-        Ok(()) => Some((out, lse)),
-        Err(reason) => {
-            tracing::warn!("fused attention forward failed ({reason}); using separate ops");
+        Ok(()) => Some((
+            out.clone(),
+            FlashSaved {
+                output: out,
+                row_stats: lse,
+                order,
+            },
+        )),
+        Err(error) => {
+            fell_back("fused attention", &error);
             None
         }
     }
 }
 
-/// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given the forward's
-/// output and log-sum-exp. Panics when the kernels fail: a forward that ran has no other
-/// backward.
+/// The gradients of `q`, `k` and `v` from the output's gradient `grad`, given what the forward
+/// saved. Panics when the kernels fail: a forward that ran has no other backward.
 pub(crate) fn backward(
     [q, k, v]: [&CubeTensor<CudaRuntime>; 3],
-    out: &CubeTensor<CudaRuntime>,
-    lse: &CubeTensor<CudaRuntime>,
+    saved: &FlashSaved,
     grad: &CubeTensor<CudaRuntime>,
     scale: f32,
 ) -> [CubeTensor<CudaRuntime>; 3] {
@@ -290,7 +307,9 @@ pub(crate) fn backward(
         [batch, heads, len_q, head_dim],
         "output gradient shape"
     );
-    let kernels = kernels(&q.device, head_dim).expect("compiled for the forward pass");
+    let (out, lse) = (&saved.output, &saved.row_stats);
+    let side = SideContext::of(&q.device).expect("opened for the forward pass");
+    let kernels = side.flash(head_dim).expect("compiled for the forward pass");
     let rows = problem.rows_q();
     let delta = empty(q, vec![rows], DType::F32);
     let dq_acc = empty(q, vec![rows * head_dim], DType::F32);
@@ -317,7 +336,7 @@ pub(crate) fn backward(
     let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let done = ordered(client, &kernels.ctx, &kernels.stream, || {
+    let done = ordered(client, &side, &kernels.stream, saved.order, || {
         // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
         unsafe {
             cudarc::driver::result::memset_d8_async(
@@ -327,7 +346,7 @@ pub(crate) fn backward(
                 kernels.stream.cu_stream(),
             )
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(KernelError::device("clearing the dq accumulator"))?;
         let rows_per_block = (THREADS / 32) as usize;
         let mut launch = kernels.stream.launch_builder(&kernels.delta);
         launch
@@ -346,7 +365,7 @@ pub(crate) fn backward(
                 shared_mem_bytes: 0,
             })
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(KernelError::device("launching the attention delta kernel"))?;
         let mut launch = kernels.stream.launch_builder(&kernels.backward);
         launch
             .arg(&qp)
@@ -376,7 +395,7 @@ pub(crate) fn backward(
                 shared_mem_bytes: kernels.backward_shared as u32,
             })
         }
-        .map_err(|e| e.to_string())?;
+        .map_err(KernelError::device("launching the attention backward"))?;
         let mut launch = kernels.stream.launch_builder(&kernels.dq);
         launch.arg(&accp).arg(&dqp).arg(&elements);
         // SAFETY: the arguments match `flash_backward_dq`'s parameters.
@@ -388,10 +407,10 @@ pub(crate) fn backward(
             })
         }
         .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(KernelError::device("launching the attention's dq kernel"))
     });
-    if let Err(reason) = done {
-        panic!("fused attention backward failed: {reason}");
+    if let Err(error) = done {
+        panic!("fused attention backward failed: {error}");
     }
     [dq, dk, dv]
 }

@@ -1,0 +1,179 @@
+//! [`Kernels`] for `Autodiff<B, C>` over any [`FusedOps`] backend and any checkpoint strategy:
+//! each fused forward of `B` is recorded as one autodiff op whose backward runs `B`'s fused
+//! backward.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::ops::FloatTensor;
+
+use crate::fused::{FusedOps, NormRope, UnaryOp};
+use crate::kernels::Kernels;
+use crate::options::KernelOptions;
+
+impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
+    fn attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let qkv = [&q.primitive, &k.primitive, &v.primitive];
+        let (output, saved) = B::fused_attention(qkv[0], qkv[1], qkv[2], scale, options)?;
+        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let prepared = <AttentionBackward as Backward<B, 3>>::prepare::<C>;
+        Some(
+            match prepared(AttentionBackward, nodes)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    AttentionState {
+                        qkv: qkv.map(Clone::clone),
+                        saved,
+                        scale,
+                    },
+                    output,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(output),
+            },
+        )
+    }
+
+    fn unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let y = B::fused_unary(op, &x.primitive, options)?;
+        let prepared = <UnaryBackward as Backward<B, 1>>::prepare::<C>;
+        Some(
+            match prepared(UnaryBackward(op), [x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(x.primitive.clone(), y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+        )
+    }
+
+    /// Declined when the scale or the tables need gradients: the fused op gives only `x` one.
+    fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
+        let NormRope {
+            x,
+            scale,
+            cos,
+            sin,
+            eps,
+        } = operands;
+        if [&scale, &cos, &sin]
+            .iter()
+            .any(|t| !t.node.requirement.is_none())
+        {
+            return None;
+        }
+        let inner = NormRope {
+            x: x.primitive.clone(),
+            scale: scale.primitive,
+            cos: cos.primitive,
+            sin: sin.primitive,
+            eps,
+        };
+        let y = B::fused_norm_rope(&inner, options)?;
+        let prepared = <NormRopeBackward as Backward<B, 1>>::prepare::<C>;
+        Some(
+            match prepared(NormRopeBackward, [x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(inner, y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+        )
+    }
+}
+
+/// What the backward pass of one fused attention keeps from its forward pass.
+#[derive(Debug, Clone)]
+struct AttentionState<B: FusedOps> {
+    qkv: [FloatTensor<B>; 3],
+    saved: B::Attention,
+    scale: f32,
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
+    type State = AttentionState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let AttentionState { qkv, saved, scale } = ops.state;
+        let [q, k, v] = &qkv;
+        let gradients = B::fused_attention_backward([q, k, v], &saved, grad, scale);
+        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, gradient);
+            }
+        }
+    }
+}
+
+/// The backward step of a fused op with one input: the output's gradient turned by `gradient`
+/// (given the op's saved state) into the input's, registered when the input needs one.
+fn one_input_backward<B: FusedOps, S>(
+    ops: Ops<S, 1>,
+    grads: &mut Gradients,
+    gradient: impl FnOnce(&S, FloatTensor<B>) -> FloatTensor<B>,
+) {
+    let grad = grads.consume::<B>(&ops.node);
+    let [parent] = ops.parents;
+    if let Some(node) = parent {
+        grads.register::<B>(node.id, gradient(&ops.state, grad));
+    }
+}
+
+#[derive(Debug)]
+struct UnaryBackward(UnaryOp);
+
+impl<B: FusedOps> Backward<B, 1> for UnaryBackward {
+    /// The input.
+    type State = FloatTensor<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        one_input_backward::<B, _>(ops, grads, |x, grad| {
+            B::fused_unary_backward(self.0, x, grad)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct NormRopeBackward;
+
+impl<B: FusedOps> Backward<B, 1> for NormRopeBackward {
+    type State = NormRope<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        one_input_backward::<B, _>(ops, grads, B::fused_norm_rope_backward);
+    }
+}

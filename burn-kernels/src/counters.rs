@@ -1,0 +1,69 @@
+//! How many calls took each fast path, on the calling thread: lets a program or a test check
+//! which path it measured.
+
+use std::cell::Cell;
+
+/// Calls per path on one thread since it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KernelCounters {
+    /// Attention forward passes a fused kernel computed.
+    pub fused_attention: u64,
+    /// GELU, layer-norm and RMS-norm-with-rotation forward passes a fused kernel computed.
+    pub fused_elementwise: u64,
+    /// Matrix products the vendor BLAS computed (forward and backward).
+    pub blas_products: u64,
+    /// Calls whose fast path failed and that ran the separate ops instead.
+    pub fallbacks: u64,
+}
+
+impl KernelCounters {
+    /// The calls counted since `earlier`, a snapshot of the same thread.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            fused_attention: self.fused_attention - earlier.fused_attention,
+            fused_elementwise: self.fused_elementwise - earlier.fused_elementwise,
+            blas_products: self.blas_products - earlier.blas_products,
+            fallbacks: self.fallbacks - earlier.fallbacks,
+        }
+    }
+}
+
+thread_local! {
+    static COUNTERS: Cell<KernelCounters> = const {
+        Cell::new(KernelCounters {
+            fused_attention: 0,
+            fused_elementwise: 0,
+            blas_products: 0,
+            fallbacks: 0,
+        })
+    };
+}
+
+/// This thread's counters.
+pub fn counters() -> KernelCounters {
+    COUNTERS.with(Cell::get)
+}
+
+fn bump(field: impl FnOnce(&mut KernelCounters)) {
+    COUNTERS.with(|cell| {
+        let mut counters = cell.get();
+        field(&mut counters);
+        cell.set(counters);
+    });
+}
+
+pub(crate) fn count_attention() {
+    bump(|c| c.fused_attention += 1);
+}
+
+pub(crate) fn count_elementwise() {
+    bump(|c| c.fused_elementwise += 1);
+}
+
+pub(crate) fn count_blas_product() {
+    bump(|c| c.blas_products += 1);
+}
+
+pub(crate) fn count_fallback() {
+    bump(|c| c.fallbacks += 1);
+}

@@ -1,0 +1,165 @@
+//! Matrix products through cuBLAS on Burn-owned buffers: the CUDA mechanism behind
+//! [`FusedOps::blas_matmul`](crate::FusedOps::blas_matmul); the layouts are planned in
+//! `gemm.rs`, the route chosen by [`BlasRoute`].
+//!
+//! cuBLAS runs on a CUDA stream of its own, since CubeCL 0.10 hands out no handle to its
+//! streams; `order.rs` keeps each product in its place in CubeCL's stream.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType,
+};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::cuda::order::ordered;
+use crate::cuda::{SideContext, address};
+use crate::error::{KernelError, fell_back};
+use crate::gemm::{GemmPlan, Layout, Operand, plan};
+use crate::options::{BlasRoute, KernelOptions, StreamOrder};
+
+/// Whether `plan` goes to cuBLAS under `options` (given that the route is not off).
+fn routed(plan: &GemmPlan, options: &KernelOptions) -> bool {
+    match options.blas {
+        BlasRoute::Off => false,
+        BlasRoute::All => true,
+        BlasRoute::Large => plan.worth_routing(),
+        BlasRoute::Auto => options.order == StreamOrder::Device || plan.worth_routing(),
+    }
+}
+
+/// A cuBLAS handle bound to its own stream on one device.
+pub(crate) struct Blas {
+    stream: Arc<CudaStream>,
+    handle: cublasHandle_t,
+}
+
+// SAFETY: the handle is only used under the mutex that owns the `Blas`.
+unsafe impl Send for Blas {}
+
+impl Blas {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self, KernelError> {
+        let stream = ctx
+            .new_stream()
+            .map_err(KernelError::device("creating the cuBLAS stream"))?;
+        // cudarc loads libcublas on first use and panics when it is missing.
+        let handle = std::panic::catch_unwind(cublas::create_handle)
+            .map_err(|_| KernelError::Library("libcublas"))?
+            .map_err(KernelError::device("creating the cuBLAS handle"))?;
+        // SAFETY: a live handle and a live stream of the same context.
+        unsafe { cublas::set_stream(handle, stream.cu_stream() as _) }
+            .map_err(KernelError::device("binding cuBLAS to its stream"))?;
+        Ok(Self { stream, handle })
+    }
+
+    /// Queues `plan` on the cuBLAS stream.
+    fn gemm(
+        &self,
+        plan: &GemmPlan,
+        [a, b, c]: [u64; 3],
+        dtype: cudaDataType,
+    ) -> Result<(), KernelError> {
+        let op = |operand: &Operand| {
+            if operand.transpose {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Checked by `plan`: every size fits in an i32.
+        let int = |v: usize| v as i32;
+        // SAFETY: `a`, `b` and `c` are live Burn buffers holding the extents `plan` describes
+        // (it was made from their layouts, `c` was allocated for `out_shape`); the ordering
+        // keeps every other use of them out of the product's way.
+        unsafe {
+            cublas::gemm_strided_batched_ex(
+                self.handle,
+                op(&plan.a),
+                op(&plan.b),
+                int(plan.m),
+                int(plan.n),
+                int(plan.k),
+                (&alpha as *const f32).cast::<c_void>(),
+                a as *const c_void,
+                dtype,
+                int(plan.a.ld),
+                plan.a.batch_stride as i64,
+                b as *const c_void,
+                dtype,
+                int(plan.b.ld),
+                plan.b.batch_stride as i64,
+                (&beta as *const f32).cast::<c_void>(),
+                c as *mut c_void,
+                dtype,
+                int(plan.ldc),
+                plan.stride_c as i64,
+                int(plan.batch),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(KernelError::device("cublasGemmStridedBatchedEx"))
+    }
+}
+
+fn data_type(dtype: DType) -> Option<cudaDataType> {
+    match dtype {
+        DType::F32 => Some(cudaDataType::CUDA_R_32F),
+        DType::F16 => Some(cudaDataType::CUDA_R_16F),
+        DType::BF16 => Some(cudaDataType::CUDA_R_16BF),
+        _ => None,
+    }
+}
+
+fn layout(tensor: &CubeTensor<CudaRuntime>) -> Layout<'_> {
+    Layout {
+        shape: tensor.meta.shape(),
+        strides: tensor.meta.strides(),
+    }
+}
+
+/// `lhs · rhs` through cuBLAS, or `None` when `options` leave the product to Burn (see
+/// `routed`), the dtypes or layouts do not fit (see [`plan`]), or cuBLAS fails (logged).
+pub(crate) fn matmul(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    options: &KernelOptions,
+) -> Option<CubeTensor<CudaRuntime>> {
+    if options.blas == BlasRoute::Off || lhs.dtype != rhs.dtype || lhs.qparams.is_some() {
+        return None;
+    }
+    let dtype = data_type(lhs.dtype)?;
+    let plan = plan(layout(lhs), layout(rhs)).filter(|plan| routed(plan, options))?;
+    let client = &lhs.client;
+    let out_shape = Shape::from(plan.out_shape.clone());
+    let out = client.empty(out_shape.num_elements() * lhs.dtype.size());
+    let addresses = [
+        address(client, &rhs.handle)?,
+        address(client, &lhs.handle)?,
+        address(client, &out)?,
+    ];
+    let done = SideContext::of(&lhs.device).and_then(|side| {
+        let blas = side.blas()?;
+        let blas = blas.lock().unwrap();
+        ordered(client, &side, &blas.stream, options.order, || {
+            blas.gemm(&plan, addresses, dtype)
+        })
+    });
+    if let Err(error) = done {
+        fell_back("cuBLAS product", &error);
+        return None;
+    }
+    Some(CubeTensor::new_contiguous(
+        client.clone(),
+        lhs.device.clone(),
+        out_shape,
+        out,
+        lhs.dtype,
+    ))
+}

@@ -1,0 +1,127 @@
+//! [`FusedOps`]: what a backend that computes (not a decorator of autodiff) offers the entry
+//! points, on its own tensors: fused forwards that may decline, and their backwards.
+
+use std::fmt::Debug;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+
+use crate::options::KernelOptions;
+
+/// √(2/π), GELU's (tanh) scale.
+pub(crate) const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The cubic term's coefficient in GELU (tanh).
+pub(crate) const GELU_CUBIC: f32 = 0.044_715;
+
+/// A fused op of one tensor whose gradient needs only that tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    /// GELU with the tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`.
+    GeluTanh,
+    /// Layer norm over the last dimension without learned parameters, `(x − mean) / √(var +
+    /// eps)` (biased variance).
+    LayerNorm {
+        /// Added to the variance.
+        eps: f32,
+    },
+}
+
+/// The operands of one fused RMS norm and rotary embedding.
+#[derive(Debug, Clone)]
+pub struct NormRope<B: Backend> {
+    /// `[..., tokens, dim]`, one head of one token per row.
+    pub x: FloatTensor<B>,
+    /// The norm's learned scale, `dim` values.
+    pub scale: FloatTensor<B>,
+    /// Cosines of the angles, `[tokens, dim]` (each pair's value repeated for both lanes).
+    pub cos: FloatTensor<B>,
+    /// Sines of the angles, as `cos`.
+    pub sin: FloatTensor<B>,
+    /// Added to the mean square.
+    pub eps: f32,
+}
+
+/// The state of a kernel a backend does not have: no value exists, so its backward cannot be
+/// reached.
+#[derive(Debug, Clone, Copy)]
+pub enum NoKernel {}
+
+/// The fused kernels of a backend that computes: Burn's `Flex` (CPU), CUDA and wgpu backends,
+/// and decorators of them such as burn-offload's `Offload`. `Autodiff` of such a backend gets
+/// [`Kernels`](crate::Kernels) from these, recording each fused forward as one op whose
+/// backward is the matching method here.
+///
+/// A forward returns `None` where the kernel does not take the operands (dtype, layout, head
+/// size) or the options switch it off; the entry point then computes the same from separate
+/// ops. A forward that fails logs why ([`fell_back`](crate::fell_back)) and returns `None`.
+pub trait FusedOps: Backend {
+    /// What a fused attention's forward keeps for its backward; [`NoKernel`] where the backend
+    /// has no fused attention.
+    type Attention: Clone + Send + Debug + 'static;
+
+    /// `softmax(scale · q kᵀ) v` for `[batch, heads, rows, head_dim]` tensors in one kernel, and
+    /// what its backward needs.
+    fn fused_attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+        options: &KernelOptions,
+    ) -> Option<(FloatTensor<Self>, Self::Attention)>;
+
+    /// The gradients of `q`, `k` and `v` given the output's gradient `grad`.
+    fn fused_attention_backward(
+        qkv: [&FloatTensor<Self>; 3],
+        saved: &Self::Attention,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> [FloatTensor<Self>; 3];
+
+    /// `op` on `x` in one kernel, computed in f32 and stored in `x`'s dtype.
+    fn fused_unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
+
+    /// The gradient of `x` given `grad`, the gradient of [`fused_unary`](Self::fused_unary)'s
+    /// output.
+    fn fused_unary_backward(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// The RMS norm and rotary embedding of `operands.x` in one kernel (see
+    /// [`rms_norm_rope`](crate::rms_norm_rope)).
+    fn fused_norm_rope(
+        operands: &NormRope<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
+
+    /// The gradient of `operands.x` given `grad`, the gradient of
+    /// [`fused_norm_rope`](Self::fused_norm_rope)'s output.
+    fn fused_norm_rope_backward(
+        operands: &NormRope<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Whether [`blas_matmul`](Self::blas_matmul) may take products under `options` (a caller
+    /// prepares transposed and flattened views only then).
+    fn blas_routes(options: &KernelOptions) -> bool {
+        let _ = options;
+        false
+    }
+
+    /// `lhs · rhs` with `float_matmul`'s broadcasting, computed by the device's vendor BLAS;
+    /// `None` where the backend has none, the options leave the product to Burn, or the dtypes
+    /// or layouts do not fit.
+    fn blas_matmul(
+        lhs: &FloatTensor<Self>,
+        rhs: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (lhs, rhs, options);
+        None
+    }
+}

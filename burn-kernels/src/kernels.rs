@@ -1,0 +1,145 @@
+//! [`Kernels`], the bound model code puts on its backend, and the entry points it calls:
+//! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm_rope`]. Each returns the fused
+//! result, or `None` where the backend, the operands or the installed
+//! [`KernelOptions`] leave the op to separate ops, which the caller then writes out.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::counters;
+use crate::fused::{FusedOps, NormRope, UnaryOp};
+use crate::options::KernelOptions;
+
+/// A backend whose models can call the fused entry points: every [`FusedOps`] backend, and
+/// `Autodiff` of one under any checkpoint strategy (see `autodiff.rs`).
+pub trait Kernels: Backend {
+    /// `softmax(scale · q kᵀ) v` for `[batch, heads, rows, head_dim]` tensors, fused.
+    fn attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
+
+    /// `op` on `x`, fused.
+    fn unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
+
+    /// The RMS norm of `x` with `scale`, then the rotation by `cos` and `sin`, fused.
+    fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>>;
+}
+
+impl<B: FusedOps> Kernels for B {
+    fn attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::fused_attention(q, k, v, scale, options).map(|(out, _)| out)
+    }
+
+    fn unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::fused_unary(op, x, options)
+    }
+
+    fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
+        B::fused_norm_rope(&operands, options)
+    }
+}
+
+fn primitive<B: Backend, const D: usize>(tensor: &Tensor<B, D>) -> FloatTensor<B> {
+    tensor.clone().into_primitive().tensor()
+}
+
+fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// `softmax(scale · q kᵀ) v` over `[batch, heads, rows, head_dim]` tensors through the
+/// backend's fused kernel (on CUDA: bf16, heads of 64 or 128), forward and backward; `None`
+/// where there is none for these tensors or the installed options switch it off.
+pub fn attention<B: Kernels>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    scale: f64,
+) -> Option<Tensor<B, 4>> {
+    let options = KernelOptions::current();
+    if !options.fused_attention {
+        return None;
+    }
+    let out = <B as Kernels>::attention(
+        &primitive(q),
+        &primitive(k),
+        &primitive(v),
+        scale as f32,
+        &options,
+    )?;
+    counters::count_attention();
+    Some(tensor(out))
+}
+
+/// GELU with the tanh approximation, computed in f32 in one kernel (one more for its gradient)
+/// and returned in `x`'s dtype; `None` where the backend has no such kernel or the installed
+/// options switch it off.
+pub fn gelu_tanh<B: Kernels, const D: usize>(x: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    unary(UnaryOp::GeluTanh, x)
+}
+
+/// Layer norm over the last dimension without learned parameters, computed in f32 in one kernel
+/// (one more for its gradient) and returned in `x`'s dtype; `None` as for [`gelu_tanh`].
+pub fn layer_norm<B: Kernels, const D: usize>(x: &Tensor<B, D>, eps: f64) -> Option<Tensor<B, D>> {
+    unary(UnaryOp::LayerNorm { eps: eps as f32 }, x)
+}
+
+fn unary<B: Kernels, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    let options = KernelOptions::current();
+    if !options.fused_elementwise {
+        return None;
+    }
+    let out = <B as Kernels>::unary(op, &primitive(x), &options)?;
+    counters::count_elementwise();
+    Some(tensor(out))
+}
+
+/// `x / √(mean(x²) + eps) · scale` over the last dimension, then each pair of lanes
+/// `(n₀, n₁)` turned to `(n₀ cos − n₁ sin, n₁ cos + n₀ sin)` by its token's angles, computed in
+/// f32 in one kernel (one more for the gradient of `x`) and returned in `x`'s dtype; `None`
+/// where the backend has no such kernel, the installed options switch it off, or the scale or
+/// the tables need gradients (the fused op gives only `x` one).
+///
+/// # Shapes
+/// - `x`: `[batch, heads, tokens, dim]`; `scale`: `[dim]`; `cos`, `sin`: `[tokens, dim]`
+pub fn rms_norm_rope<B: Kernels>(
+    x: &Tensor<B, 4>,
+    scale: &Tensor<B, 1>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    eps: f64,
+) -> Option<Tensor<B, 4>> {
+    let options = KernelOptions::current();
+    if !options.fused_elementwise {
+        return None;
+    }
+    let operands = NormRope {
+        x: primitive(x),
+        scale: primitive(scale),
+        cos: primitive(cos),
+        sin: primitive(sin),
+        eps: eps as f32,
+    };
+    let out = <B as Kernels>::norm_rope(operands, &options)?;
+    counters::count_elementwise();
+    Some(tensor(out))
+}

@@ -1,0 +1,96 @@
+//! [`FusedOps`] for `Offload<B, P>`: the fused kernels of `B` on the decorator's device
+//! tensors. An operand that is a streamed weight (not on the device) declines the fused path;
+//! the model's separate ops then meet it and materialize it, counted in the step's stats.
+
+use burn::tensor::ops::FloatTensor;
+use burn_kernels::{FusedOps, KernelOptions, NormRope, UnaryOp};
+
+use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
+use crate::target::StreamTarget;
+
+fn inner<B: StreamTarget>(t: &OffloadTensor<B>) -> Option<&FloatTensor<B>> {
+    t.as_inner()
+}
+
+fn outer<B: StreamTarget>(t: FloatTensor<B>) -> OffloadTensor<B> {
+    OffloadTensor::from_inner(t)
+}
+
+/// The operands as `B`'s tensors, `None` when one is a streamed weight.
+fn inner_norm_rope<B: StreamTarget, P: PrefetchPolicy>(
+    o: &NormRope<Offload<B, P>>,
+) -> Option<NormRope<B>> {
+    Some(NormRope {
+        x: inner(&o.x)?.clone(),
+        scale: inner(&o.scale)?.clone(),
+        cos: inner(&o.cos)?.clone(),
+        sin: inner(&o.sin)?.clone(),
+        eps: o.eps,
+    })
+}
+
+impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
+    type Attention = B::Attention;
+
+    fn fused_attention(
+        q: &FloatTensor<Self>,
+        k: &FloatTensor<Self>,
+        v: &FloatTensor<Self>,
+        scale: f32,
+        options: &KernelOptions,
+    ) -> Option<(FloatTensor<Self>, B::Attention)> {
+        let (out, saved) = B::fused_attention(inner(q)?, inner(k)?, inner(v)?, scale, options)?;
+        Some((outer(out), saved))
+    }
+
+    fn fused_attention_backward(
+        qkv: [&FloatTensor<Self>; 3],
+        saved: &B::Attention,
+        grad: FloatTensor<Self>,
+        scale: f32,
+    ) -> [FloatTensor<Self>; 3] {
+        let [q, k, v] = qkv.map(|t| t.clone().into_inner());
+        B::fused_attention_backward([&q, &k, &v], saved, grad.into_inner(), scale).map(outer)
+    }
+
+    fn fused_unary(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::fused_unary(op, inner(x)?, options).map(outer)
+    }
+
+    fn fused_unary_backward(
+        op: UnaryOp,
+        x: &FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        outer(B::fused_unary_backward(
+            op,
+            &x.clone().into_inner(),
+            grad.into_inner(),
+        ))
+    }
+
+    fn fused_norm_rope(
+        operands: &NormRope<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::fused_norm_rope(&inner_norm_rope(operands)?, options).map(outer)
+    }
+
+    fn fused_norm_rope_backward(
+        operands: &NormRope<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let o = NormRope {
+            x: operands.x.clone().into_inner(),
+            scale: operands.scale.clone().into_inner(),
+            cos: operands.cos.clone().into_inner(),
+            sin: operands.sin.clone().into_inner(),
+            eps: operands.eps,
+        };
+        outer(B::fused_norm_rope_backward(&o, grad.into_inner()))
+    }
+}

@@ -5,11 +5,11 @@
 //! forward + backward, with the fused path as the switch sets it.
 //!
 //! ```text
-//! BURN_LORA_BLAS=all cargo run --release --features cuda --example attention_check
-//! BURN_LORA_FLASH=0 cargo run --release --features cuda --example attention_check   # timing of the separate ops
+//! BURNLORA_KERNELS__BLAS=all cargo run --release --features cuda --example attention_check
+//! BURNLORA_KERNELS__ATTENTION=separate cargo run --release --features cuda --example attention_check   # timing of the separate ops
 //! ```
 //!
-//! With `BURN_LORA_BLAS=all` the separate ops' products of the small cases go through cuBLAS
+//! With `BURNLORA_KERNELS__BLAS=all` the separate ops' products of the small cases go through cuBLAS
 //! too, so the check does not wait on Burn's autotune.
 //!
 //! The fused kernels compute the probabilities in f32 and round them to bf16 for the second

@@ -4,10 +4,10 @@
 //! their gradients), in f32 and in bf16; then each path is timed on FLUX-sized work.
 //!
 //! ```text
-//! BURN_LORA_BLAS=all cargo run --release --features cuda --example blas_check
+//! BURNLORA_KERNELS__BLAS=all cargo run --release --features cuda --example blas_check
 //! ```
 //!
-//! `BURN_LORA_BLAS=all` sends the small products of the cases to cuBLAS too (by default only
+//! `BURNLORA_KERNELS__BLAS=all` sends the small products of the cases to cuBLAS too (by default only
 //! those worth the host waits go).
 //!
 //! `Offload<Cuda>` without streamed weights is Burn's CUDA backend with its products sent to
@@ -184,7 +184,7 @@ fn main() {
         if products < 14 || counters().blas_products != before + products {
             eprintln!(
                 "{products} products went through cuBLAS: the route was not taken \
-                 (is BURN_LORA_BLAS=all set?)"
+                 (is BURNLORA_KERNELS__BLAS=all set?)"
             );
             failed = true;
         }

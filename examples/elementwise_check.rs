@@ -95,7 +95,9 @@ fn main() {
         let before = counters().fused_elementwise;
         let fused = run::<Fused>(op, shape, bf16, &device);
         if counters().fused_elementwise == before {
-            eprintln!("{op:?} {shape:?}: the fused op did not run (BURN_LORA_FUSED=0?)");
+            eprintln!(
+                "{op:?} {shape:?}: the fused op did not run (BURNLORA_KERNELS__ELEMENTWISE=separate?)"
+            );
             failed = true;
         }
         let separate = run::<Autodiff<Cuda>>(op, shape, bf16, &device);

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! The matrix products, attention and the fused elementwise kernels take the paths
-//! `BURN_LORA_BLAS`, `BURN_LORA_FLASH` and `BURN_LORA_FUSED` set.
+//! `BURNLORA_KERNELS__BLAS`, `__ATTENTION` and `__ELEMENTWISE` set.
 
 mod kernels;
 mod timing;

@@ -3,10 +3,12 @@
 //! with the device's peak memory.
 //!
 //! The model runs on `Autodiff<Offload<Cuda>>`, as the trainer's does: its matrix products go
-//! to cuBLAS unless `BURN_LORA_BLAS=0`, its attention and elementwise ops to the
-//! fused kernels unless `BURN_LORA_FLASH=0` / `BURN_LORA_FUSED=0`. With `--stream-budget-gb X` its frozen weights move to
-//! page-locked host memory and stream through burn-offload's ring, all but those that fit in an
-//! X GB VRAM budget (`--wire e5m2` sends them as FP8); without it they stay resident.
+//! to cuBLAS, its attention and elementwise ops to burn-kernels' fused kernels, as the
+//! `BURNLORA_KERNELS__*` variables leave them (see `kernels/mod.rs`). With `--stream-budget-gb X`
+//! its frozen weights move to page-locked host memory and stream through burn-offload's ring,
+//! all but those that fit in an X GB VRAM budget (`--wire e5m2` sends them as FP8); without it
+//! they stay resident. `--no-decorator` runs it resident on `Autodiff<Cuda>` instead (fused
+//! attention and elementwise ops, Burn's products).
 //!
 //! The trainable parameters are LoRA adapters of rank 32 (alpha 32) on every Linear of the
 //! double and single blocks (304 layers, 153 M parameters), as in the PyTorch anchor's step; AdamW
@@ -15,7 +17,7 @@
 //! ```text
 //! cargo run --release --features cuda --example flux_full_step -- \
 //!     [--img-tokens 4096] [--txt-tokens 512] [--steps 3] [--no-checkpointing] \
-//!     [--stream-budget-gb 12 [--wire bf16|e5m2|e4m3]]
+//!     [--stream-budget-gb 12 [--wire bf16|e5m2|e4m3] | --no-decorator]
 //! ```
 //! Peak memory is read from `nvidia-smi` (every 20 ms; the whole GPU, as the driver sees it).
 
@@ -42,6 +44,8 @@ struct Args {
     /// VRAM budget of the streamed run, in bytes; `None` for a resident run.
     stream_budget: Option<u64>,
     wire: WireFormat,
+    /// A resident run on `Autodiff<Cuda>`, without the decorator.
+    plain: bool,
 }
 
 fn parse_args() -> Args {
@@ -52,6 +56,7 @@ fn parse_args() -> Args {
         checkpointing: Checkpointing::Blocks,
         stream_budget: None,
         wire: WireFormat::Native,
+        plain: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -75,6 +80,7 @@ fn parse_args() -> Args {
                 }
             }
             "--no-checkpointing" => args.checkpointing = Checkpointing::Off,
+            "--no-decorator" => args.plain = true,
             other => panic!("unknown argument {other}"),
         }
     }
@@ -142,14 +148,18 @@ fn main() {
             .map_or(f64::NAN, common::DeviceMemory::take_peak)
     };
     peak();
+    let resident = Hooks {
+        begin: &|| {},
+        end: &String::new,
+    };
     match args.stream_budget {
+        None if args.plain => {
+            let model = create::<Cuda>(&device, &peak);
+            run(model, &args, &device, &peak, &resident);
+        }
         None => {
             let model = create::<Offload<Cuda>>(&device, &peak);
-            let hooks = Hooks {
-                begin: &|| {},
-                end: &String::new,
-            };
-            run(model, &args, &device, &peak, &hooks);
+            run(model, &args, &device, &peak, &resident);
         }
         Some(budget) => {
             type Streamed = Autodiff<Offload<Cuda>>;
@@ -278,12 +288,13 @@ fn run<B: burn_kernels::FusedOps>(
         let stats = (hooks.end)();
         let loss = loss.into_data().convert::<f32>().to_vec::<f32>().unwrap()[0];
         println!(
-            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB; {} products through cuBLAS, {} fused attentions so far{}{stats}",
+            "train step {step} ({:?} checkpointing): {:.3} s (forward {forward:.3} s queued), loss {loss:.4}; peak {:.1} GB; {} products through cuBLAS, {} fused attentions, {} fused elementwise ops so far{}{stats}",
             args.checkpointing,
             start.elapsed().as_secs_f64(),
             peak(),
             burn_kernels::counters().blas_products,
             burn_kernels::counters().fused_attention,
+            burn_kernels::counters().fused_elementwise,
             cold(step)
         );
     }

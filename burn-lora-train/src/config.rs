@@ -21,6 +21,7 @@ use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, Lora
 use burn_quant::Fp8Format;
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub use crate::family::Arch;
 use crate::rng::Rng;
 
 /// The prefix of environment variables that override configuration keys.
@@ -564,13 +565,6 @@ pub struct NetworkPlan {
     pub pretrained: Option<PathBuf>,
 }
 
-/// Architecture of the base model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// FLUX.1 dev / schnell.
-    Flux1,
-}
-
 /// Where the base model comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
@@ -1095,7 +1089,7 @@ fn check_model(
     m: &ModelYaml,
     resolve: &dyn Fn(&Path) -> PathBuf,
 ) -> Option<ModelPlan> {
-    let arch = c.choose("model.arch", &m.arch, &[("flux1", Arch::Flux1)]);
+    let arch = c.choose("model.arch", &m.arch, Arch::ALL);
     let overrides = [
         ("model.transformer", &m.transformer),
         ("model.vae", &m.vae),
@@ -1461,6 +1455,33 @@ mod tests {
         assert_ne!(
             base,
             plan(&[("BURNLORA_TRAIN__LR", "0.001")]).resume_fingerprint()
+        );
+        // Kernel choices change the numerics: the default ones leave the fingerprint as it was
+        // before the section existed, any other choice changes it.
+        assert_eq!(
+            base,
+            plan(&[("BURNLORA_KERNELS__BLAS", "auto")]).resume_fingerprint()
+        );
+        let separate = plan(&[("BURNLORA_KERNELS__ATTENTION", "separate")]);
+        assert_ne!(base, separate.resume_fingerprint());
+        assert!(!separate.kernels.fused_attention);
+        assert!(separate.to_json().contains("\"attention\":\"separate\""));
+    }
+
+    #[test]
+    fn kernel_choices_are_checked_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(
+            dir.path(),
+            &format!("{MINIMAL}kernels: {{blas: fast, order: host}}\n"),
+        );
+        let error =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap_err();
+        assert_eq!(error.problems.len(), 1, "{error}");
+        assert_eq!(error.problems[0].field, "kernels.blas");
+        assert!(
+            error.problems[0].message.contains("off, large, all"),
+            "{error}"
         );
     }
 

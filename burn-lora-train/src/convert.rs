@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use burn_lora::Format;
-use burn_lora_train::config::{ModelFiles, ModelSource};
+use burn_lora_train::config::{Arch, ModelFiles, ModelSource};
 use burn_lora_train::lora_names;
 
 /// Arguments of `burnlora convert-lora`.
@@ -43,8 +43,8 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         "tiny" => ModelSource::Tiny,
         path => ModelSource::Files(ModelFiles::pipeline(Path::new(path))),
     };
-    let names =
-        lora_names(&source).with_context(|| format!("reading the model `{}`", args.model))?;
+    let names = lora_names(Arch::Flux1, &source)
+        .with_context(|| format!("reading the model `{}`", args.model))?;
     let report = names
         .convert(&args.input, &args.output, to)
         .with_context(|| {

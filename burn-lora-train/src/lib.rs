@@ -2,7 +2,9 @@
 //! caches of latents and text embeddings, the training loop, checkpoints with exact resume,
 //! and the logs, loss curve and progress bar around it.
 //!
-//! - [`cache`]: latents and caption encodings, computed once and cached beside the images.
+//! - [`family`]: the model-family seam: what a family (FLUX.1 today) provides the trainer.
+//! - [`cache`]: the family's image and caption encodings, computed once and cached beside the
+//!   images.
 //! - [`config`]: the YAML file, environment overrides, and the validated [`config::TrainPlan`].
 //! - [`dataset`]: images and captions, aspect-ratio buckets, the seeded epoch order.
 //! - [`optim`]: AdamW with f32 or block-wise 8-bit moments, clipping, the learning-rate schedule.
@@ -17,8 +19,10 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod dataset;
+mod error;
+pub mod family;
 mod models;
-pub use models::lora_names;
+pub use family::lora_names;
 pub mod optim;
 pub mod report;
 pub mod rng;

@@ -1,19 +1,16 @@
-//! The training loop of `burnlora train`: flow matching on FLUX.1 with LoRA adapters, from a
-//! [`TrainPlan`] to LoRA files in the run folder.
+//! The training loop of `burnlora train`, the same for every model family (`model.arch`
+//! selects a [`Family`]): from a [`TrainPlan`] to LoRA files in the run folder.
 //!
-//! Before the first step the images and captions become latents and text encodings
-//! ([`crate::cache`]: read from the caches beside the images, or computed with the VAE and the
-//! text encoders, which are dropped before the transformer is loaded). The transformer runs on
+//! Before the first step the images and captions become the family's encodings
+//! ([`crate::cache`]: read from the caches beside the images, or computed with the family's
+//! encoders, which are dropped before the denoiser is loaded). The denoiser runs on
 //! `Autodiff<Offload<B>>`: with `model.offload` or `model.quantize` set, its frozen weights move
 //! to host memory and stream to the device through burn-offload (within the VRAM budget, FP8 on
 //! the bus when asked); otherwise they stay on the device and the decorator only forwards.
 //!
-//! Each optimizer step runs `gradient_accumulation_steps` micro-batches. For each, σ is drawn
-//! for each sample and the noise for the batch, both from the run's [`Rng`] in that order
-//! (noise through `B::seed(device, rng.next_u64())`), so that a resumed run draws what the
-//! uninterrupted one would have drawn. The model sees `x_t = (1 − σ)·x₀ + σ·noise` at timestep
-//! σ and is trained to predict `noise − x₀` (mean squared error over the packed latents, in
-//! f32).
+//! Each optimizer step runs `gradient_accumulation_steps` micro-batches, each through the
+//! family's objective ([`Family::loss`]), which draws everything random from the run's [`Rng`]
+//! in a fixed order, so that a resumed run draws what the uninterrupted one would have drawn.
 //!
 //! A step whose loss or gradient is not finite is skipped; after `train.max_nan_steps` of them
 //! in a row the run stops. A checkpoint (LoRA file plus optimizer and data state) is written
@@ -21,90 +18,25 @@
 //! restores the adapters from the optimizer's exact f32 copies, never from the (possibly bf16)
 //! LoRA file.
 
-use burn_kernels::FusedOps;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use burn::backend::Autodiff;
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::module::AutodiffModule;
+use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, ElementConversion, Tensor, TensorData};
-use burn_diffusion::flux::{Flux, FluxInput};
-use burn_diffusion::pipeline::{image_ids, pack_latents, text_ids};
-use burn_diffusion::{BlockTape, Checkpointing, LoadError};
-use burn_lora::{LoraError, LoraMetadata, SaveOptions};
-use burn_offload::{Offload, OffloadError, StreamTarget, WeightStream};
+use burn_lora::{LoraMetadata, SaveOptions};
+use burn_offload::{Offload, StreamTarget, WeightStream};
 
-use crate::cache::{self, Prepared};
-use crate::checkpoint::{CheckpointError, RunDir, TrainingState};
-use crate::config::{ModelSource, TrainPlan};
-use crate::dataset::{Batch, DataPosition, Dataset, DatasetError};
+use crate::cache;
+use crate::checkpoint::{RunDir, TrainingState};
+use crate::config::TrainPlan;
+use crate::dataset::{DataPosition, Dataset};
+pub use crate::error::TrainError;
+use crate::family::{Arch, Family, Flux1, Sample, TrainBackend};
 use crate::models;
-use crate::optim::{AdamW, AdamWConfig, LrSchedule, OptimError};
-use crate::report::{LossLog, LossRow, Progress, ReportError, StopFlag, plot_loss};
+use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::report::{LossLog, LossRow, Progress, StopFlag, plot_loss};
 use crate::rng::Rng;
-
-/// The backend the transformer trains on, over the computing backend `B`.
-pub type TrainBackend<B> = Autodiff<Offload<B>>;
-
-/// Why a training run failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// The run folder or a checkpoint.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// The images or captions.
-    #[error(transparent)]
-    Dataset(#[from] DatasetError),
-    /// The saved optimizer state does not fit the model.
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-    /// Logs, loss CSV or plot.
-    #[error(transparent)]
-    Report(#[from] ReportError),
-    /// The adapters (plan or LoRA file).
-    #[error(transparent)]
-    Lora(#[from] LoraError),
-    /// Tokenizers or model files.
-    #[error(transparent)]
-    Load(#[from] LoadError),
-    /// Streaming the frozen weights.
-    #[error(transparent)]
-    Offload(#[from] OffloadError),
-    /// `--resume` was asked for but the run folder has no valid checkpoint.
-    #[error("{dir}: no checkpoint to resume from")]
-    NothingToResume {
-        /// The run folder.
-        dir: PathBuf,
-    },
-    /// The newest checkpoint was made with settings that shape training differently.
-    #[error(
-        "{dir}: the checkpoint was made with another configuration (fingerprint {found}, this one is {expected}); use another run name"
-    )]
-    ConfigChanged {
-        /// The run folder.
-        dir: PathBuf,
-        /// Fingerprint of this configuration.
-        expected: String,
-        /// Fingerprint saved with the checkpoint.
-        found: String,
-    },
-    /// An encoder turned an image or a caption into non-finite values: every step that drew
-    /// it would be skipped. Nothing is cached.
-    #[error(
-        "{encoder} produced non-finite values for {input}; check the model files and their dtype"
-    )]
-    NonFiniteEncoding {
-        /// "the VAE", "CLIP" or "T5".
-        encoder: &'static str,
-        /// The image file, or the caption.
-        input: String,
-    },
-    /// Too many consecutive steps had a non-finite loss or gradient (a checkpoint of the last
-    /// step was written).
-    #[error("{0} consecutive steps with a non-finite loss or gradient")]
-    NonFinite(usize),
-}
 
 /// Whether to continue from a checkpoint of the run folder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,17 +74,33 @@ pub fn train<B: StreamTarget>(
     device: &B::Device,
 ) -> Result<TrainSummary, TrainError> {
     let _kernels = plan.kernels.install();
-    tracing::info!("kernels: {}", plan.kernels);
+    tracing::info!("{}; kernels: {}", plan.model.arch.name(), plan.kernels);
+    match plan.model.arch {
+        Arch::Flux1 => train_family::<_, B>(&Flux1::new(plan)?, plan, resume, stop, device),
+    }
+}
+
+/// [`train`] with the family's model.
+fn train_family<F: Family, B: StreamTarget>(
+    family: &F,
+    plan: &TrainPlan,
+    resume: Resume,
+    stop: &StopFlag,
+    device: &B::Device,
+) -> Result<TrainSummary, TrainError>
+where
+    F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
+{
     let run = RunDir::create(plan.run_dir(), &plan.name)?;
     let dataset = Dataset::scan(&plan.datasets)?;
-    let prepared = cache::prepare::<B>(plan, &dataset, device)?;
+    let prepared = cache::prepare::<F, B>(family, plan, &dataset, device)?;
 
     let start = Instant::now();
     let stream = models::offload_config(plan)
         .map(|config| WeightStream::<TrainBackend<B>>::new(device, config))
         .transpose()?;
-    let flux = models::transformer::<B>(plan, device, stream.as_ref())?;
-    let names = burn_diffusion::flux::lora_names(flux.config());
+    let flux = family.load::<B>(plan, device, stream.as_ref())?;
+    let names = family.lora_names();
     let flux = match &plan.network.pretrained {
         Some(path) => {
             let set = names.load(path)?.with_dtype(plan.model.dtype);
@@ -176,7 +124,7 @@ pub fn train<B: StreamTarget>(
         TrainBackend::<B>::memory_cleanup(device);
     }
     tracing::info!(
-        "transformer ready in {:.1} s{}",
+        "denoiser ready in {:.1} s{}",
         start.elapsed().as_secs_f64(),
         if stream.is_some() {
             ", frozen weights in host memory"
@@ -227,7 +175,7 @@ pub fn train<B: StreamTarget>(
     while step < plan.train.steps {
         let start = Instant::now();
         let lr = schedule.lr(step);
-        let mut accumulator = GradientsAccumulator::<Flux<TrainBackend<B>>>::new();
+        let mut accumulator = GradientsAccumulator::<F::Model<TrainBackend<B>>>::new();
         let mut loss_sum = 0.0;
         let mut memory = String::new();
         for _ in 0..plan.train.gradient_accumulation_steps {
@@ -235,7 +183,19 @@ pub fn train<B: StreamTarget>(
             if let Some(stream) = &stream {
                 stream.begin_step();
             }
-            let (loss, grads) = micro_step(plan, &prepared, &flux, &batch, &mut rng, device);
+            let samples: Vec<Sample<'_>> = batch
+                .samples
+                .iter()
+                .map(|sample| Sample {
+                    image: &prepared.images[sample.item],
+                    caption: if sample.drop_caption {
+                        &prepared.empty
+                    } else {
+                        &prepared.captions[sample.item]
+                    },
+                })
+                .collect();
+            let (loss, grads) = family.loss::<Offload<B>>(plan, &flux, &samples, &mut rng, device);
             if let Some(stream) = &stream {
                 memory = describe(&stream.end_step());
             }
@@ -288,7 +248,7 @@ pub fn train<B: StreamTarget>(
             let set = burn_lora::export(
                 &flux,
                 LoraMetadata {
-                    base_model: Some(base_model_name(plan)),
+                    base_model: Some(family.base_model_name(plan)),
                     step: Some(step),
                     extra: [
                         ("burnlora.config".to_string(), plan.to_json()),
@@ -321,16 +281,6 @@ pub fn train<B: StreamTarget>(
     Ok(summary)
 }
 
-/// The name recorded as the LoRA file's base model.
-fn base_model_name(plan: &TrainPlan) -> String {
-    match &plan.model.source {
-        ModelSource::Tiny => "tiny".to_string(),
-        ModelSource::Random { guidance: true } => "random:flux1-dev".to_string(),
-        ModelSource::Random { guidance: false } => "random:flux1-schnell".to_string(),
-        ModelSource::Files(files) => files.transformer.display().to_string(),
-    }
-}
-
 /// A step's streaming in a few words: device memory, upload volume and rate.
 fn describe(stats: &burn_offload::StepStats) -> String {
     format!(
@@ -347,72 +297,4 @@ fn gigabytes(bytes: Option<u64>) -> String {
         || "n/a".to_string(),
         |b| format!("{:.1} GB", b as f64 / 1e9),
     )
-}
-
-/// One micro-batch: its loss and the gradients of the adapters.
-fn micro_step<B: FusedOps>(
-    plan: &TrainPlan,
-    prepared: &Prepared,
-    flux: &Flux<Autodiff<B>>,
-    batch: &Batch,
-    rng: &mut Rng,
-    device: &B::Device,
-) -> (f64, GradientsParams) {
-    let mut latents = Vec::with_capacity(batch.samples.len());
-    let (mut pooled, mut states) = (Vec::new(), Vec::new());
-    for sample in &batch.samples {
-        let latent = prepared.latents[sample.item].clone();
-        latents.push(Tensor::<B, 3>::from_data(latent, device).cast(DType::F32));
-        let caption = if sample.drop_caption {
-            &prepared.empty
-        } else {
-            &prepared.captions[sample.item]
-        };
-        pooled.push(Tensor::<B, 1>::from_data(caption.pooled.clone(), device));
-        states.push(Tensor::<B, 2>::from_data(caption.states.clone(), device));
-    }
-    let latents = Tensor::stack::<4>(latents, 0);
-    let [n, _, h, w] = latents.dims();
-    let x0 = pack_latents(latents);
-
-    let sigmas: Vec<f32> = (0..n)
-        .map(|_| plan.train.timestep.sample(rng) as f32)
-        .collect();
-    B::seed(device, rng.next_u64());
-    let noise = Tensor::<B, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), device);
-    let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
-    let s = sigma.clone().reshape([n, 1, 1]);
-    let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;
-    let target = noise - x0;
-
-    let dtype = plan.model.dtype;
-    let txt: Tensor<B, 3> = Tensor::stack(states, 0).cast(dtype);
-    let txt_len = txt.dims()[1];
-    let config = flux.config();
-    let input = FluxInput {
-        img: Tensor::from_inner(x_t.cast(dtype)),
-        txt: Tensor::from_inner(txt),
-        y: Tensor::from_inner(Tensor::stack::<2>(pooled, 0).cast(dtype)),
-        timesteps: Tensor::from_inner(sigma.cast(dtype)),
-        guidance: config.guidance_embed.then(|| {
-            Tensor::from_inner(
-                Tensor::<B, 1>::full([n], plan.train.guidance_scale, device).cast(dtype),
-            )
-        }),
-        img_ids: image_ids(h, w),
-        txt_ids: text_ids(txt_len),
-    };
-    let checkpointing = if plan.train.gradient_checkpointing {
-        Checkpointing::Blocks
-    } else {
-        Checkpointing::Off
-    };
-    let mut tape = BlockTape::new(checkpointing);
-    let prediction = flux.forward_with(input, &mut tape).cast(DType::F32);
-    let loss = (prediction - Tensor::from_inner(target))
-        .powi_scalar(2)
-        .mean();
-    let value = loss.clone().into_scalar().elem::<f64>();
-    let grads = GradientsParams::from_grads(tape.backward(&loss, flux), flux);
-    (value, grads)
 }

@@ -20,7 +20,7 @@ pub struct TrainArgs {
 
 /// Trains the adapters of the configuration, logging to `train.log` in the run folder.
 pub fn run(args: TrainArgs, logging: &Logging) -> anyhow::Result<()> {
-    let plan = TrainPlan::load_with_env(&args.config, environment())?;
+    let plan = TrainPlan::load_with_env(&args.config, std::env::vars())?;
     std::fs::create_dir_all(plan.run_dir())
         .with_context(|| format!("creating {}", plan.run_dir().display()))?;
     logging.add_file(&plan.run_dir().join(report::LOG_FILE))?;
@@ -36,27 +36,6 @@ pub fn run(args: TrainArgs, logging: &Logging) -> anyhow::Result<()> {
         None => println!("nothing to do: the run is at step {}", summary.step),
     }
     Ok(())
-}
-
-/// The process environment, with the kernel switches of earlier releases (`BURN_LORA_BLAS`,
-/// `BURN_LORA_FLASH`, `BURN_LORA_FUSED`, `BURN_LORA_ORDER`) spelled as the configuration
-/// overrides they stand for (`BURNLORA_KERNELS__BLAS` and so on), which win over them.
-fn environment() -> Vec<(String, String)> {
-    let off = |value: &str| matches!(value, "0" | "off" | "false");
-    let legacy = std::env::vars().filter_map(|(key, value)| {
-        let (field, value) = match key.as_str() {
-            "BURN_LORA_BLAS" if off(&value) => ("BLAS", "off".to_string()),
-            "BURN_LORA_BLAS" => ("BLAS", value),
-            "BURN_LORA_FLASH" if off(&value) => ("ATTENTION", "separate".to_string()),
-            "BURN_LORA_FUSED" if off(&value) => ("ELEMENTWISE", "separate".to_string()),
-            "BURN_LORA_ORDER" => ("ORDER", value),
-            _ => return None,
-        };
-        Some((format!("BURNLORA_KERNELS__{field}"), value))
-    });
-    let mut env: Vec<(String, String)> = legacy.collect();
-    env.extend(std::env::vars());
-    env
 }
 
 /// The backend the adapters train on.

@@ -8,6 +8,7 @@ use burn::tensor::{DType, TensorData};
 use burn_lora_train::cache::{CACHE_FOLDER, Prepared, prepare};
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::dataset::Dataset;
+use burn_lora_train::family::{Family, Flux1};
 
 /// The tiny example with its images copied to `dir` and the disk cache on.
 fn cached_plan(dir: &Path) -> TrainPlan {
@@ -30,7 +31,8 @@ static ENCODERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn run(plan: &TrainPlan) -> Prepared {
     let _turn = ENCODERS.lock().unwrap_or_else(|e| e.into_inner());
     let dataset = Dataset::scan(&plan.datasets).unwrap();
-    prepare::<Flex>(plan, &dataset, &Default::default()).unwrap()
+    let family = Flux1::new(plan).unwrap();
+    prepare::<_, Flex>(&family, plan, &dataset, &Default::default()).unwrap()
 }
 
 fn cache_files(dir: &Path) -> Vec<PathBuf> {
@@ -53,7 +55,7 @@ fn a_valid_cache_is_read_instead_of_encoding() {
     let first = run(&plan);
     let files = cache_files(dir.path());
     assert_eq!(files.len(), 1, "{files:?}");
-    let n = first.latents.len();
+    let n = first.images.len();
     assert_eq!(n, 6);
 
     // Replace the cached latents with zeros: a second run must return them as they are.
@@ -65,8 +67,8 @@ fn a_valid_cache_is_read_instead_of_encoding() {
     }
     write_safetensors(&files[0], &tensors);
     let second = run(&plan);
-    for (latent, original) in second.latents.iter().zip(&first.latents) {
-        assert_eq!(latent, &zeros_like(original));
+    for (latent, original) in second.images.iter().zip(&first.images) {
+        assert_eq!(latent["latent"], zeros_like(&original["latent"]));
     }
     assert_eq!(second.captions, first.captions);
     assert_eq!(second.empty, first.empty);
@@ -81,7 +83,7 @@ fn a_changed_caption_gets_a_new_cache_and_a_damaged_one_is_rebuilt() {
     std::fs::write(dir.path().join("stripes.txt"), "zebra stripes\n").unwrap();
     let changed = run(&plan);
     assert_eq!(cache_files(dir.path()).len(), 2);
-    assert_eq!(changed.latents, first.latents);
+    assert_eq!(changed.images, first.images);
     assert_ne!(changed.captions, first.captions);
 
     // Cut the newest file short: the next run warns, encodes again and rewrites it.
@@ -93,7 +95,7 @@ fn a_changed_caption_gets_a_new_cache_and_a_damaged_one_is_rebuilt() {
     let bytes = std::fs::read(newest).unwrap();
     std::fs::write(newest, &bytes[..bytes.len() / 2]).unwrap();
     let rebuilt = run(&plan);
-    assert_eq!(rebuilt.latents, changed.latents);
+    assert_eq!(rebuilt.images, changed.images);
     assert_eq!(rebuilt.captions, changed.captions);
     assert_eq!(std::fs::read(newest).unwrap(), bytes);
 }
@@ -151,7 +153,7 @@ fn a_cache_holding_a_non_finite_value_is_rebuilt() {
 
     let rebuilt = run(&plan);
     assert_eq!(rebuilt.captions, first.captions);
-    assert_eq!(rebuilt.latents, first.latents);
+    assert_eq!(rebuilt.images, first.images);
     assert_eq!(std::fs::read(&files[0]).unwrap(), bytes);
 }
 
@@ -167,7 +169,8 @@ fn a_bf16_model_encodes_with_the_f32_vae_and_keeps_bf16_latents() {
     plan.model.dtype = DType::BF16;
     let prepared = run(&plan);
     let finite = |data: &TensorData| data.iter::<f32>().all(f32::is_finite);
-    for (latent, full) in prepared.latents.iter().zip(&full.latents) {
+    for (image, full) in prepared.images.iter().zip(&full.images) {
+        let (latent, full) = (&image["latent"], &full["latent"]);
         assert_eq!(latent.dtype, DType::BF16);
         assert!(finite(latent));
         for (got, want) in latent.iter::<f32>().zip(full.iter::<f32>()) {
@@ -179,6 +182,6 @@ fn a_bf16_model_encodes_with_the_f32_vae_and_keeps_bf16_latents() {
         }
     }
     for caption in prepared.captions.iter().chain([&prepared.empty]) {
-        assert!(finite(&caption.pooled) && finite(&caption.states));
+        assert!(finite(&caption["pooled"]) && finite(&caption["states"]));
     }
 }

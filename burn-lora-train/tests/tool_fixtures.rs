@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::DType;
 use burn_diffusion::flux::{FluxConfig, linear_keys};
 use burn_lora::{AdapterSet, Format, LayoutNames, SaveOptions};
-use burn_lora_train::config::ModelSource;
+use burn_lora_train::config::{Arch, ModelSource};
 use burn_lora_train::lora_names;
 use safetensors::{Dtype, SafeTensors};
 
@@ -65,7 +65,7 @@ fn tiny_config() -> FluxConfig {
 }
 
 fn tiny_names() -> LayoutNames {
-    let names = lora_names(&ModelSource::Tiny).unwrap();
+    let names = lora_names(Arch::Flux1, &ModelSource::Tiny).unwrap();
     assert_eq!(names, burn_diffusion::flux::lora_names(&tiny_config()));
     names
 }
@@ -208,7 +208,7 @@ fn diffusers_applies_every_update_it_can() {
 /// `linear1` file whose split diffusers' converter gave back exactly.
 #[test]
 fn full_width_parts_convert_to_the_kohya_file_diffusers_splits() {
-    let names = lora_names(&ModelSource::Random { guidance: true }).unwrap();
+    let names = lora_names(Arch::Flux1, &ModelSource::Random { guidance: true }).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("kohya.safetensors");
     let report = names

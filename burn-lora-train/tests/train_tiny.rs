@@ -75,7 +75,7 @@ fn a_run_starts_from_a_pretrained_lora_of_another_layout() {
     plan.save.dtype = burn::tensor::DType::F32;
     let lora = run(&plan, Resume::Auto).unwrap().lora.unwrap();
 
-    let names = burn_lora_train::lora_names(&plan.model.source).unwrap();
+    let names = burn_lora_train::lora_names(plan.model.arch, &plan.model.source).unwrap();
     let saved = names.load(&lora).unwrap();
     let start = names.load(&pretrained).unwrap();
     assert_eq!(saved.len(), start.len(), "the file adapts every layer");

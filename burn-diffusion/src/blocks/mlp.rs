@@ -5,7 +5,7 @@ use burn_kernels::Kernels;
 
 /// GELU with the tanh approximation, `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`
 /// (PyTorch's `gelu(approximate="tanh")`): one fused kernel each way where
-/// [`burn_kernels::gelu_tanh`] has one (unless `BURN_LORA_FUSED=0`), elsewhere separate
+/// [`burn_kernels::gelu_tanh`] has one (unless the installed `KernelOptions` switch it off), elsewhere separate
 /// ops, with `x³` as two products so that it is exact for negative inputs on every backend.
 pub fn gelu_tanh<B: Kernels, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     if let Some(y) = burn_kernels::gelu_tanh(&x) {

@@ -4,8 +4,8 @@ use burn::tensor::{DType, Tensor};
 use burn_kernels::Kernels;
 
 /// Layer norm without learned parameters: `(x - mean) / √(var + eps)` (biased variance); one
-/// fused kernel each way where [`burn_kernels::layer_norm`] has one (unless
-/// `BURN_LORA_FUSED=0`), elsewhere separate ops.
+/// fused kernel each way where [`burn_kernels::layer_norm`] has one (unless the
+/// installed `KernelOptions` switch it off), elsewhere separate ops.
 pub fn layer_norm<B: Kernels, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
     if let Some(y) = burn_kernels::layer_norm(&x, eps) {
         return y;

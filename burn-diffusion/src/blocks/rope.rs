@@ -71,8 +71,8 @@ impl<B: Kernels> Rope<B> {
     }
 
     /// [`rms_norm`] of every head (`scale` `[head_dim]`), then [`apply`](Self::apply): one fused
-    /// kernel each way where [`burn_kernels::rms_norm_rope`] has one (unless
-    /// `BURN_LORA_FUSED=0`; it rounds once, where the separate ops round the normalized value
+    /// kernel each way where [`burn_kernels::rms_norm_rope`] has one (unless the
+    /// installed `KernelOptions` switch it off; it rounds once, where the separate ops round the normalized value
     /// and the scaled one too), elsewhere the two as written.
     ///
     /// # Shapes

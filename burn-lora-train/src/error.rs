@@ -1,0 +1,71 @@
+//! [`TrainError`]: why a training run failed.
+
+use std::path::PathBuf;
+
+use burn_diffusion::LoadError;
+use burn_lora::LoraError;
+use burn_offload::OffloadError;
+
+use crate::checkpoint::CheckpointError;
+use crate::dataset::DatasetError;
+use crate::optim::OptimError;
+use crate::report::ReportError;
+
+/// Why a training run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The run folder or a checkpoint.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The images or captions.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// The saved optimizer state does not fit the model.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// Logs, loss CSV or plot.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    /// The adapters (plan or LoRA file).
+    #[error(transparent)]
+    Lora(#[from] LoraError),
+    /// Tokenizers or model files.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// Streaming the frozen weights.
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+    /// `--resume` was asked for but the run folder has no valid checkpoint.
+    #[error("{dir}: no checkpoint to resume from")]
+    NothingToResume {
+        /// The run folder.
+        dir: PathBuf,
+    },
+    /// The newest checkpoint was made with settings that shape training differently.
+    #[error(
+        "{dir}: the checkpoint was made with another configuration (fingerprint {found}, this one is {expected}); use another run name"
+    )]
+    ConfigChanged {
+        /// The run folder.
+        dir: PathBuf,
+        /// Fingerprint of this configuration.
+        expected: String,
+        /// Fingerprint saved with the checkpoint.
+        found: String,
+    },
+    /// An encoder turned an image or a caption into non-finite values: every step that drew
+    /// it would be skipped. Nothing is cached.
+    #[error(
+        "{encoder} produced non-finite values for {input}; check the model files and their dtype"
+    )]
+    NonFiniteEncoding {
+        /// The encoder, as the family names it ("the VAE", "CLIP", "T5").
+        encoder: &'static str,
+        /// The image file, or the caption.
+        input: String,
+    },
+    /// Too many consecutive steps had a non-finite loss or gradient (a checkpoint of the last
+    /// step was written).
+    #[error("{0} consecutive steps with a non-finite loss or gradient")]
+    NonFinite(usize),
+}

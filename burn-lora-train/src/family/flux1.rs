@@ -1,0 +1,372 @@
+//! FLUX.1 (dev and schnell): the transformer trained by flow matching on packed VAE latents,
+//! conditioned on CLIP-L's pooled vector and T5-XXL's hidden states.
+//!
+//! Sources: `tiny` builds small random models seeded from the run's seed; `random:` builds
+//! full-size ones on the device (random weights, for measuring speed and memory without the
+//! real files); files are loaded with burn-diffusion's loaders (BFL single files, diffusers
+//! folders, FP8 files). Every float parameter is brought to the model's dtype, except the VAE's.
+
+use burn::backend::Autodiff;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, TensorData};
+use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel};
+use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig, FluxInput};
+use burn_diffusion::materialize;
+use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5, image_ids, pack_latents, text_ids};
+use burn_diffusion::t5::{T5Config, T5Encoder};
+use burn_diffusion::tokenize::CaptionTokenizer;
+use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_diffusion::{BlockTape, Checkpointing};
+use burn_kernels::{FusedOps, Kernels};
+use burn_lora::LayoutNames;
+use burn_offload::{Offload, StreamTarget, WeightStream};
+
+use super::{
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_images_by_bucket,
+};
+use crate::config::{ModelSource, TrainPlan};
+use crate::dataset::Dataset;
+use crate::error::TrainError;
+use crate::models::{float_dtype, offload_config};
+use crate::rng::Rng;
+
+/// Caption length of the tiny model's CLIP and T5.
+const TINY_TOKENS: usize = 16;
+/// CLIP's caption length in the FLUX.1 pipeline.
+const CLIP_TOKENS: usize = 77;
+/// Images encoded by the VAE per batch (of one bucket).
+const VAE_BATCH: usize = 4;
+/// Captions encoded per batch.
+const TEXT_BATCH: usize = 8;
+
+/// An image's encoding: the VAE latent, normalized, `[16, h/8, w/8]`, in the model's dtype.
+const LATENT: &str = "latent";
+/// A caption's encodings: CLIP's pooled output `[768]`.
+const POOLED: &str = "pooled";
+/// And T5's last hidden state `[tokens, 4096]`.
+const STATES: &str = "states";
+
+/// The FLUX.1 family, for one model source.
+#[derive(Clone, Debug)]
+pub struct Flux1 {
+    config: FluxConfig,
+}
+
+impl Flux1 {
+    /// The family of `source`'s transformer, its configuration read without loading weights.
+    pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
+        let config = match source {
+            ModelSource::Tiny => FluxConfig::new(64, 64, 32, 32, 32, 2, 2, 2, vec![4, 6, 6], true),
+            ModelSource::Random { guidance: true } => FluxConfig::dev(),
+            ModelSource::Random { guidance: false } => FluxConfig::schnell(),
+            ModelSource::Files(files) => FluxCheckpoint::open(&files.transformer)?.config().clone(),
+        };
+        Ok(Self { config })
+    }
+
+    /// T5's caption length: FluxPipeline's `max_sequence_length` (512 for dev, 256 for
+    /// schnell).
+    fn t5_tokens(&self, plan: &TrainPlan) -> usize {
+        match &plan.model.source {
+            ModelSource::Tiny => TINY_TOKENS,
+            _ if self.config.guidance_embed => 512,
+            _ => 256,
+        }
+    }
+
+    fn clip_tokens(plan: &TrainPlan) -> usize {
+        match plan.model.source {
+            ModelSource::Tiny => TINY_TOKENS,
+            _ => CLIP_TOKENS,
+        }
+    }
+
+    /// The VAE, on `device` in f32 whatever the model's dtype, as kohya's `--no_half_vae` and
+    /// diffusers' `force_upcast` run it: it encodes each image once (the latents are cached),
+    /// and in bf16 on CUDA Burn 0.21's convolution turns part of the first layer's output (3
+    /// input channels) into NaN (benches/RESULTS.md, `examples/vae_check.rs`).
+    fn vae<B: Kernels>(
+        plan: &TrainPlan,
+        device: &B::Device,
+    ) -> Result<AutoencoderKl<B>, TrainError> {
+        let dtype = FloatDType::F32;
+        B::seed(device, plan.train.seed ^ 1);
+        Ok(match &plan.model.source {
+            ModelSource::Tiny => {
+                let config = VaeConfig {
+                    block_out_channels: vec![8, 8, 8, 8],
+                    layers_per_block: 1,
+                    norm_num_groups: 4,
+                    ..VaeConfig::flux()
+                };
+                materialize(config.init::<B>(device), dtype)
+            }
+            ModelSource::Random { .. } => materialize(VaeConfig::flux().init::<B>(device), dtype),
+            ModelSource::Files(files) => VaeCheckpoint::open(&files.vae)?.load(device, dtype)?,
+        })
+    }
+
+    /// CLIP-L and T5 in the model's dtype, on `device`; with a `stream`, T5's `Linear` weights
+    /// are streamed weights in host memory instead (loaded there directly from files).
+    fn text_encoders<B: StreamTarget>(
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<Offload<B>>>,
+    ) -> Result<(ClipTextModel<Offload<B>>, T5Encoder<Offload<B>>), TrainError> {
+        let dtype = float_dtype(plan);
+        let seed = plan.train.seed;
+        let (clip, t5) = match &plan.model.source {
+            ModelSource::Tiny => {
+                Offload::<B>::seed(device, seed ^ 2);
+                let clip = ClipTextConfig {
+                    vocab_size: 4096,
+                    hidden_size: 32,
+                    intermediate_size: 64,
+                    num_hidden_layers: 2,
+                    num_attention_heads: 2,
+                    max_position_embeddings: TINY_TOKENS,
+                    hidden_act: ClipActivation::QuickGelu,
+                    layer_norm_eps: 1e-5,
+                    eos_token_id: 2,
+                    projection_dim: None,
+                }
+                .init(device);
+                let clip = materialize(clip, dtype);
+                Offload::<B>::seed(device, seed ^ 3);
+                let t5 = T5Config {
+                    vocab_size: 4096,
+                    d_model: 32,
+                    d_kv: 8,
+                    d_ff: 64,
+                    num_layers: 2,
+                    num_heads: 4,
+                    relative_attention_num_buckets: 8,
+                    relative_attention_max_distance: 16,
+                    layer_norm_epsilon: 1e-6,
+                }
+                .init(device);
+                (clip, materialize(t5, dtype))
+            }
+            ModelSource::Random { .. } => {
+                Offload::<B>::seed(device, seed ^ 2);
+                let clip = materialize(ClipTextConfig::clip_l().init(device), dtype);
+                Offload::<B>::seed(device, seed ^ 3);
+                (clip, materialize(T5Config::xxl().init(device), dtype))
+            }
+            ModelSource::Files(files) => {
+                let clip = ClipTextModel::load(&files.text_encoder, device, dtype)?;
+                let path = &files.text_encoder_2;
+                let t5 = match stream {
+                    Some(stream) => {
+                        T5Encoder::load_with(path, device, dtype, &mut |name, data| {
+                            stream
+                                .streamed_tensor::<2>(name, data)
+                                .map_err(|e| e.to_string())
+                        })?
+                    }
+                    None => T5Encoder::load(path, device, dtype)?,
+                };
+                (clip, t5)
+            }
+        };
+        let t5 = match stream {
+            Some(stream) => stream.stream_frozen(t5)?,
+            None => t5,
+        };
+        Ok((clip, t5))
+    }
+}
+
+impl Family for Flux1 {
+    type Model<B: Backend> = Flux<B>;
+
+    fn new(plan: &TrainPlan) -> Result<Self, TrainError> {
+        Self::of(&plan.model.source)
+    }
+
+    fn lora_names(&self) -> LayoutNames {
+        burn_diffusion::flux::lora_names(&self.config)
+    }
+
+    fn base_model_name(&self, plan: &TrainPlan) -> String {
+        match &plan.model.source {
+            ModelSource::Tiny => "tiny".to_string(),
+            ModelSource::Random { guidance: true } => "random:flux1-dev".to_string(),
+            ModelSource::Random { guidance: false } => "random:flux1-schnell".to_string(),
+            ModelSource::Files(files) => files.transformer.display().to_string(),
+        }
+    }
+
+    fn cache_key(&self, plan: &TrainPlan) -> String {
+        format!("tokenizers {}\n", plan.model.tokenizers.display())
+    }
+
+    fn schema(&self) -> Schema {
+        Schema {
+            image: &[LATENT],
+            caption: &[POOLED, STATES],
+        }
+    }
+
+    fn encode_images<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        dataset: &Dataset,
+        items: &[usize],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let vae = Self::vae::<B>(plan, device)?;
+        let encoded =
+            encode_images_by_bucket::<B>(dataset, items, VAE_BATCH, device, "the VAE", |images| {
+                // The VAE runs in f32; the latents are kept in the model's dtype.
+                let latents = vae
+                    .normalize_latents(vae.encode(images.cast(DType::F32)).mode())
+                    .cast(plan.model.dtype);
+                latents
+                    .iter_dim(0)
+                    .map(|latent| {
+                        let latent = latent.squeeze_dim::<3>(0).into_data();
+                        Encoded::from([(LATENT.to_string(), latent)])
+                    })
+                    .collect()
+            });
+        drop(vae);
+        B::memory_cleanup(device);
+        encoded
+    }
+
+    /// When the transformer streams its weights, T5 streams too, within the same budget.
+    fn encode_captions<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        texts: &[&str],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let folder = &plan.model.tokenizers;
+        let clip_tokenizer =
+            CaptionTokenizer::clip(&folder.join("tokenizer"), Self::clip_tokens(plan))?;
+        let t5_tokenizer = CaptionTokenizer::t5(&folder.join("tokenizer_2"), self.t5_tokens(plan))?;
+        let stream = offload_config(plan)
+            .map(|config| WeightStream::<Offload<B>>::new(device, config))
+            .transpose()?;
+        let (clip, t5) = Self::text_encoders::<B>(plan, device, stream.as_ref())?;
+        let pooled = encode_clip_pooled(&clip_tokenizer, clip, texts, TEXT_BATCH)?;
+        if let Some(stream) = &stream {
+            stream.begin_step();
+        }
+        let states = encode_t5(&t5_tokenizer, t5, texts, TEXT_BATCH)?;
+        if let Some(stream) = &stream {
+            let stats = stream.end_step();
+            tracing::info!(
+                "T5 streamed {:.2} GB from host memory",
+                stats.bytes_uploaded as f64 / 1e9
+            );
+        }
+        pooled
+            .into_iter()
+            .zip(states)
+            .zip(texts)
+            .map(|((pooled, states), text)| {
+                check_caption("CLIP", text, &pooled)?;
+                check_caption("T5", text, &states)?;
+                Ok(Encoded::from([
+                    (POOLED.to_string(), pooled),
+                    (STATES.to_string(), states),
+                ]))
+            })
+            .collect()
+    }
+
+    fn load<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<TrainBackend<B>>>,
+    ) -> Result<Flux<TrainBackend<B>>, TrainError> {
+        let dtype = float_dtype(plan);
+        TrainBackend::<B>::seed(device, plan.train.seed ^ 4);
+        let flux = match (&plan.model.source, stream) {
+            (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(&files.transformer)?
+                .load_with(device, dtype, &mut |name, data| {
+                    stream
+                        .streamed_tensor::<2>(name, data)
+                        .map_err(|e| e.to_string())
+                })?,
+            (ModelSource::Files(files), None) => Flux::load(&files.transformer, device, dtype)?,
+            _ => materialize(self.config.init(device), dtype),
+        };
+        Ok(flux.no_grad())
+    }
+
+    /// Flow matching: σ drawn for each sample, then the batch's noise through
+    /// `B::seed(device, rng.next_u64())`; the model sees `x_t = (1 − σ)·x₀ + σ·noise` at
+    /// timestep σ and is trained to predict `noise − x₀` (mean squared error over the packed
+    /// latents, in f32).
+    fn loss<B: FusedOps>(
+        &self,
+        plan: &TrainPlan,
+        flux: &Flux<Autodiff<B>>,
+        batch: &[Sample<'_>],
+        rng: &mut Rng,
+        device: &B::Device,
+    ) -> (f64, GradientsParams) {
+        let tensor = |encoded: &Encoded, name: &str| encoded[name].clone();
+        let latents = batch
+            .iter()
+            .map(|s| Tensor::<B, 3>::from_data(tensor(s.image, LATENT), device).cast(DType::F32))
+            .collect();
+        let pooled = batch
+            .iter()
+            .map(|s| Tensor::<B, 1>::from_data(tensor(s.caption, POOLED), device))
+            .collect();
+        let states = batch
+            .iter()
+            .map(|s| Tensor::<B, 2>::from_data(tensor(s.caption, STATES), device))
+            .collect();
+        let latents = Tensor::stack::<4>(latents, 0);
+        let [n, _, h, w] = latents.dims();
+        let x0 = pack_latents(latents);
+
+        let sigmas: Vec<f32> = (0..n)
+            .map(|_| plan.train.timestep.sample(rng) as f32)
+            .collect();
+        B::seed(device, rng.next_u64());
+        let noise = Tensor::<B, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), device);
+        let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
+        let s = sigma.clone().reshape([n, 1, 1]);
+        let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;
+        let target = noise - x0;
+
+        let dtype = plan.model.dtype;
+        let txt: Tensor<B, 3> = Tensor::stack(states, 0).cast(dtype);
+        let txt_len = txt.dims()[1];
+        let input = FluxInput {
+            img: Tensor::from_inner(x_t.cast(dtype)),
+            txt: Tensor::from_inner(txt),
+            y: Tensor::from_inner(Tensor::stack::<2>(pooled, 0).cast(dtype)),
+            timesteps: Tensor::from_inner(sigma.cast(dtype)),
+            guidance: self.config.guidance_embed.then(|| {
+                Tensor::from_inner(
+                    Tensor::<B, 1>::full([n], plan.train.guidance_scale, device).cast(dtype),
+                )
+            }),
+            img_ids: image_ids(h, w),
+            txt_ids: text_ids(txt_len),
+        };
+        let checkpointing = if plan.train.gradient_checkpointing {
+            Checkpointing::Blocks
+        } else {
+            Checkpointing::Off
+        };
+        let mut tape = BlockTape::new(checkpointing);
+        let prediction = flux.forward_with(input, &mut tape).cast(DType::F32);
+        let loss = (prediction - Tensor::from_inner(target))
+            .powi_scalar(2)
+            .mean();
+        let value = loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(tape.backward(&loss, flux), flux);
+        (value, grads)
+    }
+}

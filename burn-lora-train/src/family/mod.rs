@@ -1,0 +1,222 @@
+//! The model-family seam: what the trainer asks of a family of models ([`Family`]), and the
+//! families `model.arch` selects ([`Arch`]).
+//!
+//! The trainer owns everything that is the same for every family: the run folder, the dataset
+//! and its caches, the optimizer, checkpoints and resume, the logs. A family owns what differs:
+//! its model sources, the encoders that turn an image and a caption into the tensors the
+//! denoiser reads (run once, before training, and dropped), the denoiser itself and how its
+//! frozen weights reach the device, the objective, and the names its adapted layers take in
+//! each LoRA file format. What a family caches is named tensors ([`Encoded`]): the cache keeps
+//! whatever the family's encoders return, under the family's names.
+
+mod flux1;
+
+use std::collections::BTreeMap;
+
+use burn::backend::Autodiff;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use burn_kernels::{FusedOps, Kernels};
+use burn_lora::LayoutNames;
+use burn_offload::{Offload, StreamTarget, WeightStream};
+
+use crate::config::{ModelSource, TrainPlan};
+use crate::dataset::{Dataset, DatasetError};
+use crate::error::TrainError;
+use crate::rng::Rng;
+
+pub use flux1::Flux1;
+
+/// The backend the denoiser trains on, over the computing backend `B`: frozen weights may
+/// stream from host memory.
+pub type TrainBackend<B> = Autodiff<Offload<B>>;
+
+/// One item's encodings by name: an image's (`latent` for FLUX.1) or a caption's (`pooled`,
+/// `states`). The names are the family's; the cache stores them as given.
+pub type Encoded = BTreeMap<String, TensorData>;
+
+/// The architectures `model.arch` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// FLUX.1 dev / schnell: [`Flux1`].
+    Flux1,
+}
+
+impl Arch {
+    /// Every architecture, with its name in the configuration.
+    pub const ALL: &'static [(&'static str, Arch)] = &[("flux1", Arch::Flux1)];
+
+    /// The name in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Flux1 => "flux1",
+        }
+    }
+}
+
+/// One training sample as the family's objective sees it: the item's encodings and its
+/// caption's (the empty caption's when the caption was dropped).
+pub struct Sample<'a> {
+    /// What the image encoder gave for the item.
+    pub image: &'a Encoded,
+    /// What the text encoders gave for the caption.
+    pub caption: &'a Encoded,
+}
+
+/// What a model family provides to the trainer.
+///
+/// Methods are generic over the computing backend; `B: StreamTarget` where weights may stream,
+/// `B: Kernels` / `FusedOps` where only the fused ops matter.
+pub trait Family: Sized {
+    /// The trained model (the denoiser, with adapters) on the backend `B`.
+    type Model<B: Backend>: Module<B>;
+
+    /// The family for `plan`'s model, reading the configuration of its files (not their
+    /// weights).
+    fn new(plan: &TrainPlan) -> Result<Self, TrainError>;
+
+    /// The names the adapted layers take in every LoRA file layout.
+    fn lora_names(&self) -> LayoutNames;
+
+    /// The name recorded as the LoRA file's base model.
+    fn base_model_name(&self, plan: &TrainPlan) -> String;
+
+    /// What the cache key must cover besides the items and the model source: anything else the
+    /// encodings depend on (caption lengths, tokenizer files).
+    fn cache_key(&self, plan: &TrainPlan) -> String;
+
+    /// The names of an image's encodings and of a caption's, as the encoders return them.
+    fn schema(&self) -> Schema;
+
+    /// Encodes the images of `items` (their pixels from `dataset`), loading the image encoder
+    /// and dropping it before returning; an encoding that is not finite is an error naming the
+    /// image.
+    fn encode_images<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        dataset: &Dataset,
+        items: &[usize],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError>;
+
+    /// Encodes `texts`, loading the text encoders and dropping them before returning (streaming
+    /// them within the budget where the denoiser streams); an encoding that is not finite is an
+    /// error naming the caption.
+    fn encode_captions<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        texts: &[&str],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError>;
+
+    /// The denoiser, every parameter frozen; with a `stream`, its weights loaded from files go
+    /// straight to host memory as streamed weights.
+    fn load<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<TrainBackend<B>>>,
+    ) -> Result<Self::Model<TrainBackend<B>>, TrainError>;
+
+    /// One micro-batch: the objective's loss and the gradients of the adapters. Everything
+    /// random (timesteps, noise) comes from `rng`, in a fixed order.
+    fn loss<B: FusedOps>(
+        &self,
+        plan: &TrainPlan,
+        model: &Self::Model<Autodiff<B>>,
+        batch: &[Sample<'_>],
+        rng: &mut Rng,
+        device: &B::Device,
+    ) -> (f64, GradientsParams);
+}
+
+/// The names of the tensors a family's encoders return, for the cache.
+#[derive(Clone, Copy, Debug)]
+pub struct Schema {
+    /// An image's encodings.
+    pub image: &'static [&'static str],
+    /// A caption's encodings.
+    pub caption: &'static [&'static str],
+}
+
+/// `encode` applied to the images of `items`, batched by bucket (at most `batch` images per
+/// call, each `[3, h, w]` in `[-1, 1]`, stacked to `[n, 3, h, w]` on `device`); `encode`
+/// returns each image's encodings. The encodings come back in `items` order, each checked to
+/// be finite (`encoder` names the encoder in the error).
+pub fn encode_images_by_bucket<B: Kernels>(
+    dataset: &Dataset,
+    items: &[usize],
+    batch: usize,
+    device: &B::Device,
+    encoder: &'static str,
+    mut encode: impl FnMut(Tensor<B, 4>) -> Vec<Encoded>,
+) -> Result<Vec<Encoded>, TrainError> {
+    let mut by_bucket: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+    for (position, &i) in items.iter().enumerate() {
+        let bucket = dataset.items()[i].bucket;
+        by_bucket
+            .entry((bucket.width, bucket.height))
+            .or_default()
+            .push(position);
+    }
+    let mut out: Vec<Option<Encoded>> = vec![None; items.len()];
+    for positions in by_bucket.into_values() {
+        for chunk in positions.chunks(batch) {
+            let pixels = chunk
+                .iter()
+                .map(|&p| {
+                    let data = dataset.items()[items[p]].load_pixels()?;
+                    Ok(Tensor::<B, 3>::from_data(data, device))
+                })
+                .collect::<Result<Vec<_>, DatasetError>>()?;
+            for (&p, encoded) in chunk.iter().zip(encode(Tensor::stack(pixels, 0))) {
+                if !encoded.values().all(finite) {
+                    return Err(TrainError::NonFiniteEncoding {
+                        encoder,
+                        input: dataset.items()[items[p]].image.display().to_string(),
+                    });
+                }
+                out[p] = Some(encoded);
+            }
+        }
+    }
+    Ok(out
+        .into_iter()
+        .map(|e| e.expect("every item encoded"))
+        .collect())
+}
+
+/// An error when `data`, `encoder`'s encoding of the caption `text`, is not finite.
+pub fn check_caption(
+    encoder: &'static str,
+    text: &str,
+    data: &TensorData,
+) -> Result<(), TrainError> {
+    if finite(data) {
+        return Ok(());
+    }
+    let input = match text.chars().count() {
+        0 => "the empty caption".to_string(),
+        1..=60 => format!("the caption \"{text}\""),
+        _ => format!(
+            "the caption \"{}…\"",
+            text.chars().take(60).collect::<String>()
+        ),
+    };
+    Err(TrainError::NonFiniteEncoding { encoder, input })
+}
+
+/// The names the adapted layers of `arch`'s model from `source` take in every LoRA file
+/// layout, read without loading its weights.
+pub fn lora_names(arch: Arch, source: &ModelSource) -> Result<LayoutNames, TrainError> {
+    match arch {
+        Arch::Flux1 => Ok(Flux1::of(source)?.lora_names()),
+    }
+}
+
+/// Whether every value of `data` is finite.
+pub fn finite(data: &TensorData) -> bool {
+    data.iter::<f32>().all(f32::is_finite)
+}

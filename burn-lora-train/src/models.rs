@@ -1,9 +1,10 @@
-//! What every family's models share: the weight stream's configuration, the float dtype, and
-//! creating lazily initialized parameters.
+//! What every family's models share: the weight stream's configuration, the float dtype,
+//! creating lazily initialized parameters, and random models built on the CPU.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::backend::Flex;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_offload::{OffloadConfig, WireFormat};
 use burn_quant::Fp8Format;
 
@@ -46,4 +47,48 @@ pub(crate) fn initialize<B: Backend, M: Module<B>>(module: &M) {
         }
     }
     module.visit(&mut Touch);
+}
+
+/// `target` with the parameter values of `host`, a module of the same structure built on the
+/// CPU: a model whose random values must not depend on the backend (each backend's generator
+/// draws its own numbers for the same seed) is built with `Flex`'s and copied over. Parameters
+/// keep `target`'s ids and gradient flags.
+pub(crate) fn from_host<B: Backend, M: Module<B>, H: Module<Flex>>(host: &H, target: M) -> M {
+    struct Collect(Vec<TensorData>);
+    impl ModuleVisitor<Flex> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
+            self.0.push(param.val().into_data());
+        }
+    }
+    struct Replace<B: Backend>(std::vec::IntoIter<TensorData>, B::Device);
+    impl<B: Backend> ModuleMapper<B> for Replace<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let data = self
+                .0
+                .next()
+                .expect("the host module has the same parameters");
+            param.map(|tensor| {
+                assert_eq!(
+                    tensor.dims().to_vec(),
+                    data.shape.to_vec(),
+                    "the host module's shapes"
+                );
+                Tensor::from_data(data, &self.1).set_require_grad(tensor.is_require_grad())
+            })
+        }
+    }
+    let mut values = Collect(Vec::new());
+    host.visit(&mut values);
+    let device = target
+        .devices()
+        .into_iter()
+        .next()
+        .expect("a module on a device");
+    let mut replace = Replace::<B>(values.0.into_iter(), device);
+    let target = target.map(&mut replace);
+    assert!(
+        replace.0.next().is_none(),
+        "the target module has the same parameters"
+    );
+    target
 }

@@ -43,5 +43,9 @@ pub fn run(args: TrainArgs, logging: &Logging) -> anyhow::Result<()> {
 type Inner = burn::backend::Cuda;
 
 /// The backend the adapters train on.
-#[cfg(not(feature = "cuda"))]
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+type Inner = burn::backend::Wgpu;
+
+/// The backend the adapters train on.
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
 type Inner = burn::backend::Flex;

@@ -21,6 +21,9 @@
 //!   memory, asynchronous copies on the device's copy stream (burn-kernels' `SideContext`) into
 //!   slots that Burn owns, FP8 payloads dequantized on the device by burn-quant's kernel.
 //!
+//! - `wgpu`: Burn's wgpu backend (without fusion) as an inner backend: weights decoded on the
+//!   host and uploaded through Burn's own path into ring slots.
+//!
 //! The matrix products (`float_matmul` and the linear ops, streamed weights included) go
 //! through burn-kernels' [`products`](burn_kernels::products) routing, and `Offload<B, P>` is a
 //! [`FusedOps`](burn_kernels::FusedOps) backend whenever `B` is: models on it get the inner
@@ -76,6 +79,8 @@ mod stats;
 mod stream;
 mod target;
 mod weight;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 pub use config::{OffloadConfig, WireFormat};

@@ -1,12 +1,14 @@
 //! FLUX.1 (dev and schnell): the transformer trained by flow matching on packed VAE latents,
 //! conditioned on CLIP-L's pooled vector and T5-XXL's hidden states.
 //!
-//! Sources: `tiny` builds small random models seeded from the run's seed; `random:` builds
+//! Sources: `tiny` builds small random models seeded from the run's seed (on the CPU, then
+//! copied to the device, so that every backend trains the same model); `random:` builds
 //! full-size ones on the device (random weights, for measuring speed and memory without the
 //! real files); files are loaded with burn-diffusion's loaders (BFL single files, diffusers
 //! folders, FP8 files). Every float parameter is brought to the model's dtype, except the VAE's.
 
-use burn::backend::Autodiff;
+use burn::backend::flex::FlexDevice;
+use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
@@ -29,13 +31,16 @@ use super::{
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
 use crate::error::TrainError;
-use crate::models::{float_dtype, offload_config};
+use crate::models::{float_dtype, from_host, offload_config};
 use crate::rng::Rng;
 
 /// Caption length of the tiny model's CLIP and T5.
 const TINY_TOKENS: usize = 16;
 /// CLIP's caption length in the FLUX.1 pipeline.
 const CLIP_TOKENS: usize = 77;
+/// Where the tiny models are built before they are copied to the device, so that their random
+/// values are the same on every backend.
+const HOST: FlexDevice = FlexDevice;
 /// Images encoded by the VAE per batch (of one bucket).
 const VAE_BATCH: usize = 4;
 /// Captions encoded per batch.
@@ -101,7 +106,9 @@ impl Flux1 {
                     norm_num_groups: 4,
                     ..VaeConfig::flux()
                 };
-                materialize(config.init::<B>(device), dtype)
+                Flex::seed(&HOST, plan.train.seed ^ 1);
+                let host = materialize(config.init::<Flex>(&HOST), dtype);
+                from_host(&host, config.init::<B>(device))
             }
             ModelSource::Random { .. } => materialize(VaeConfig::flux().init::<B>(device), dtype),
             ModelSource::Files(files) => VaeCheckpoint::open(&files.vae)?.load(device, dtype)?,
@@ -119,7 +126,7 @@ impl Flux1 {
         let seed = plan.train.seed;
         let (clip, t5) = match &plan.model.source {
             ModelSource::Tiny => {
-                Offload::<B>::seed(device, seed ^ 2);
+                Flex::seed(&HOST, seed ^ 2);
                 let clip = ClipTextConfig {
                     vocab_size: 4096,
                     hidden_size: 32,
@@ -131,10 +138,9 @@ impl Flux1 {
                     layer_norm_eps: 1e-5,
                     eos_token_id: 2,
                     projection_dim: None,
-                }
-                .init(device);
-                let clip = materialize(clip, dtype);
-                Offload::<B>::seed(device, seed ^ 3);
+                };
+                let host_clip = materialize(clip.init::<Flex>(&HOST), dtype);
+                Flex::seed(&HOST, seed ^ 3);
                 let t5 = T5Config {
                     vocab_size: 4096,
                     d_model: 32,
@@ -145,9 +151,12 @@ impl Flux1 {
                     relative_attention_num_buckets: 8,
                     relative_attention_max_distance: 16,
                     layer_norm_epsilon: 1e-6,
-                }
-                .init(device);
-                (clip, materialize(t5, dtype))
+                };
+                let host_t5 = materialize(t5.init::<Flex>(&HOST), dtype);
+                (
+                    from_host(&host_clip, clip.init(device)),
+                    from_host(&host_t5, t5.init(device)),
+                )
             }
             ModelSource::Random { .. } => {
                 Offload::<B>::seed(device, seed ^ 2);
@@ -295,13 +304,18 @@ impl Family for Flux1 {
                         .map_err(|e| e.to_string())
                 })?,
             (ModelSource::Files(files), None) => Flux::load(&files.transformer, device, dtype)?,
-            _ => materialize(self.config.init(device), dtype),
+            (ModelSource::Tiny, _) => {
+                Flex::seed(&HOST, plan.train.seed ^ 4);
+                let host = materialize(self.config.init::<Flex>(&HOST), dtype);
+                from_host(&host, self.config.init(device))
+            }
+            (ModelSource::Random { .. }, _) => materialize(self.config.init(device), dtype),
         };
         Ok(flux.no_grad())
     }
 
-    /// Flow matching: σ drawn for each sample, then the batch's noise through
-    /// `B::seed(device, rng.next_u64())`; the model sees `x_t = (1 − σ)·x₀ + σ·noise` at
+    /// Flow matching: σ drawn for each sample, then the batch's noise on the CPU (`Flex` seeded
+    /// with `rng.next_u64()`); the model sees `x_t = (1 − σ)·x₀ + σ·noise` at
     /// timestep σ and is trained to predict `noise − x₀` (mean squared error over the packed
     /// latents, in f32).
     fn loss<B: FusedOps>(
@@ -332,8 +346,10 @@ impl Family for Flux1 {
         let sigmas: Vec<f32> = (0..n)
             .map(|_| plan.train.timestep.sample(rng) as f32)
             .collect();
-        B::seed(device, rng.next_u64());
-        let noise = Tensor::<B, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), device);
+        // Drawn on the CPU, so that every backend sees the same noise.
+        Flex::seed(&HOST, rng.next_u64());
+        let noise = Tensor::<Flex, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), &HOST);
+        let noise = Tensor::<B, 3>::from_data(noise.into_data(), device);
         let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
         let s = sigma.clone().reshape([n, 1, 1]);
         let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;

@@ -32,6 +32,16 @@ pub enum LoadError {
         /// The path given.
         path: PathBuf,
     },
+    /// The caller's placement of a weight (burn-offload's host memory) refused it.
+    #[error("{file}: `{key}`: {source}")]
+    Place {
+        /// The checkpoint.
+        file: PathBuf,
+        /// The weight's name in the model.
+        key: String,
+        /// The placement's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The configuration is unusable or cannot be derived from the checkpoint.
     #[error("{file}: {message}")]
     Config {

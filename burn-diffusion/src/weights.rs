@@ -23,11 +23,13 @@ use crate::flux::read_f32;
 /// values (Burn's layout, the model's dtype), the tensor the model holds, or why not. The
 /// trainer passes burn-offload's `WeightStream::streamed_tensor`, so that a model larger than
 /// the device loads straight into host memory.
-pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, String> + 'a;
+pub type PlaceWeight<'a, B> = dyn FnMut(&str, TensorData) -> Result<Tensor<B, 2>, Box<dyn std::error::Error + Send + Sync>>
+    + 'a;
 
 /// `data` as the tensor of parameter `name`: handed to `place` when given (which takes
 /// matrices only), else uploaded to `device`; in `dtype` either way. A refusal of the placement
-/// is a [`LoadError::Config`] about `file` naming the parameter.
+/// is a [`LoadError::Place`] about `file` naming the parameter, with the placement's error as
+/// its source.
 pub(crate) fn place_or_upload<B: Backend, const D: usize>(
     place: Option<&mut PlaceWeight<'_, B>>,
     name: &str,
@@ -39,9 +41,10 @@ pub(crate) fn place_or_upload<B: Backend, const D: usize>(
     match place {
         Some(place) => {
             let matrix =
-                place(name, data.convert_dtype(dtype)).map_err(|message| LoadError::Config {
+                place(name, data.convert_dtype(dtype)).map_err(|source| LoadError::Place {
                     file: file.to_path_buf(),
-                    message: format!("{name}: {message}"),
+                    key: name.to_string(),
+                    source,
                 })?;
             Ok(Tensor::from_primitive(matrix.into_primitive()))
         }

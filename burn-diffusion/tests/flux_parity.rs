@@ -304,7 +304,7 @@ fn weight_matrices_can_be_placed_elsewhere() {
         assert_eq!(x, y, "{name}");
     }
 
-    let mut refuse = |_: &str, _: TensorData| Err::<Tensor<Flex, 2>, _>("no room".to_string());
+    let mut refuse = |_: &str, _: TensorData| Err::<Tensor<Flex, 2>, _>("no room".into());
     let error = checkpoint
         .load_with::<Flex>(&device, FloatDType::F32, &mut refuse)
         .unwrap_err()

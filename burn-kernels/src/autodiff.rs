@@ -12,6 +12,7 @@ use burn::tensor::ops::FloatTensor;
 use crate::fused::{FusedOps, NormRope, UnaryOp};
 use crate::kernels::Kernels;
 use crate::options::KernelOptions;
+use crate::products;
 
 impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
     fn attention(
@@ -61,6 +62,33 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         )
     }
 
+    /// The product as one op whose backward sends both gradient products to the BLAS too
+    /// (through [`products`], which falls back to `B`'s own ops where the BLAS declines).
+    fn blas_linear(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let out = B::blas_matmul(&x.primitive, &weight.primitive, options)?;
+        let prepared = <LinearBackward as Backward<B, 2>>::prepare::<C>;
+        Some(
+            match prepared(LinearBackward, [x.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    LinearState {
+                        x: x.primitive.clone(),
+                        weight: weight.primitive.clone(),
+                        options: *options,
+                    },
+                    out,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+
     /// Declined when the scale or the tables need gradients: the fused op gives only `x` one.
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
         let NormRope {
@@ -94,6 +122,40 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
                 OpsKind::UnTracked(prep) => prep.finish(y),
             },
         )
+    }
+}
+
+/// What the backward pass of one BLAS product `x · weight` keeps.
+#[derive(Debug, Clone)]
+struct LinearState<B: FusedOps> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    options: KernelOptions,
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: FusedOps> Backward<B, 2> for LinearBackward {
+    type State = LinearState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let LinearState { x, weight, options } = ops.state;
+        let [x_node, weight_node] = ops.parents;
+        if let Some(node) = weight_node {
+            let dw = products::linear_weight_backward::<B>(x, grad.clone(), &options);
+            grads.register::<B>(node.id, dw);
+        }
+        if let Some(node) = x_node {
+            let dx = products::linear_x_backward::<B>(weight, grad, &options);
+            grads.register::<B>(node.id, dx);
+        }
     }
 }
 

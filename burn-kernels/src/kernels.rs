@@ -1,7 +1,8 @@
 //! [`Kernels`], the bound model code puts on its backend, and the entry points it calls:
-//! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm_rope`]. Each returns the fused
-//! result, or `None` where the backend, the operands or the installed
-//! [`KernelOptions`] leave the op to separate ops, which the caller then writes out.
+//! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm_rope`] return the fused result, or
+//! `None` where the backend, the operands or the installed [`KernelOptions`] leave the op to
+//! separate ops, which the caller then writes out; [`linear`] runs Burn's linear where the
+//! vendor BLAS does not take the product.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -32,6 +33,14 @@ pub trait Kernels: Backend {
 
     /// The RMS norm of `x` with `scale`, then the rotation by `cos` and `sin`, fused.
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>>;
+
+    /// `x · weight` (weight `[d_input, d_output]`, Burn's layout) through the vendor BLAS, its
+    /// gradients too.
+    fn blas_linear(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
 }
 
 impl<B: FusedOps> Kernels for B {
@@ -55,6 +64,14 @@ impl<B: FusedOps> Kernels for B {
 
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
         B::fused_norm_rope(&operands, options)
+    }
+
+    fn blas_linear(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::blas_matmul(x, weight, options)
     }
 }
 
@@ -142,4 +159,27 @@ pub fn rms_norm_rope<B: Kernels>(
     let out = <B as Kernels>::norm_rope(operands, &options)?;
     counters::count_elementwise();
     Some(tensor(out))
+}
+
+/// `x · weight + bias` (weight `[d_input, d_output]`, bias `[d_output]`: an `nn::Linear`'s
+/// parameters), through the vendor BLAS where the backend has one, the installed options route
+/// products there and the layouts fit (forward and backward, counted in
+/// [`counters`](crate::counters)), else through Burn's `module::linear`, so that a backend
+/// without BLAS computes exactly what `nn::Linear::forward` computes.
+pub fn linear<B: Kernels, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let options = KernelOptions::current();
+    let Some(out) = <B as Kernels>::blas_linear(&primitive(&x), &primitive(&weight), &options)
+    else {
+        return burn::tensor::module::linear(x, weight, bias);
+    };
+    counters::count_blas_product();
+    let out: Tensor<B, D> = tensor(out);
+    match bias {
+        Some(bias) => out + bias.unsqueeze(),
+        None => out,
+    }
 }

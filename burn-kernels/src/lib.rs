@@ -9,8 +9,9 @@
 //! Burn's custom-kernel pattern: a backend that computes implements [`FusedOps`] (Burn's
 //! `Flex`, CUDA and wgpu backends here; decorators such as burn-offload's `Offload` forward to
 //! the backend they decorate), and `Autodiff<B, C>` of any such `B`, under any checkpoint
-//! strategy, records each fused forward as one op with the fused backward. A decorator routes
-//! its matrix products with [`products`].
+//! strategy, records each fused forward as one op with the fused backward. Layers call
+//! [`linear`], which sends the product to the vendor BLAS on every such backend, resident or
+//! not; a decorator routes its own matrix products with [`products`].
 //!
 //! Which paths run is a value, [`KernelOptions`], installed per thread by the caller
 //! ([`KernelOptions::install`]); [`counters`] says what ran. A fast path that fails falls back
@@ -62,5 +63,5 @@ mod wgpu;
 pub use counters::{KernelCounters, counters};
 pub use error::{KernelError, fell_back};
 pub use fused::{FusedOps, NoKernel, NormRope, UnaryOp};
-pub use kernels::{Kernels, attention, gelu_tanh, layer_norm, rms_norm_rope};
+pub use kernels::{Kernels, attention, gelu_tanh, layer_norm, linear, rms_norm_rope};
 pub use options::{BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};

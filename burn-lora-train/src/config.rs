@@ -12,6 +12,7 @@
 //! # Ok::<(), burn_lora_train::config::ConfigError>(())
 //! ```
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -570,39 +571,42 @@ pub struct NetworkPlan {
 pub enum ModelSource {
     /// A small model with random weights, built in memory.
     Tiny,
-    /// A full-size model (transformer, VAE, CLIP-L, T5-XXL) with random weights, built on the
-    /// device: the FLUX.1-dev shape (`true`, guidance-distilled) or schnell's.
-    Random {
-        /// Whether the transformer has FLUX.1-dev's guidance embedding.
-        guidance: bool,
-    },
+    /// A full-size model with random weights, built on the device, of a shape the family names
+    /// (`random:<shape>`, see [`Arch::random_shapes`]).
+    Random(String),
     /// Files on disk.
     Files(ModelFiles),
 }
 
-/// Where each component of a FLUX.1 model is read from (absolute paths): a diffusers pipeline
-/// folder, the component's own folder, or a single file, as each loader accepts them.
+/// Where each component of a model is read from (absolute paths), by the family's component
+/// names ([`Arch::components`]): a diffusers pipeline folder, the component's own folder, or
+/// a single file, as each loader accepts them.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModelFiles {
-    /// The transformer.
-    pub transformer: PathBuf,
-    /// The VAE.
-    pub vae: PathBuf,
-    /// CLIP-L.
-    pub text_encoder: PathBuf,
-    /// T5-XXL.
-    pub text_encoder_2: PathBuf,
-}
+pub struct ModelFiles(BTreeMap<String, PathBuf>);
 
 impl ModelFiles {
-    /// Every component from one diffusers pipeline folder.
-    pub fn pipeline(folder: &Path) -> Self {
-        Self {
-            transformer: folder.to_path_buf(),
-            vae: folder.to_path_buf(),
-            text_encoder: folder.to_path_buf(),
-            text_encoder_2: folder.to_path_buf(),
-        }
+    /// Every one of `components` from one diffusers pipeline folder.
+    pub fn pipeline(folder: &Path, components: &[&str]) -> Self {
+        Self(
+            components
+                .iter()
+                .map(|c| (c.to_string(), folder.to_path_buf()))
+                .collect(),
+        )
+    }
+
+    /// `component` read from `path` instead.
+    pub fn with(mut self, component: &str, path: PathBuf) -> Self {
+        self.0.insert(component.to_string(), path);
+        self
+    }
+
+    /// Where `component` is read from; the configuration checked that the family's components
+    /// are all there.
+    pub fn get(&self, component: &str) -> &Path {
+        self.0
+            .get(component)
+            .unwrap_or_else(|| panic!("no `{component}` among the model's files"))
     }
 }
 
@@ -1089,21 +1093,34 @@ fn check_model(
     m: &ModelYaml,
     resolve: &dyn Fn(&Path) -> PathBuf,
 ) -> Option<ModelPlan> {
-    let arch = c.choose("model.arch", &m.arch, Arch::ALL);
-    let overrides = [
-        ("model.transformer", &m.transformer),
-        ("model.vae", &m.vae),
-        ("model.text_encoder", &m.text_encoder),
-        ("model.text_encoder_2", &m.text_encoder_2),
+    let arch = c.choose("model.arch", &m.arch, Arch::ALL)?;
+    let given = [
+        ("transformer", &m.transformer),
+        ("vae", &m.vae),
+        ("text_encoder", &m.text_encoder),
+        ("text_encoder_2", &m.text_encoder_2),
     ];
+    let mut overrides = Vec::new();
+    for (component, path) in given {
+        match path {
+            Some(_) if !arch.components().contains(&component) => c.fail(
+                format!("model.{component}"),
+                format!(
+                    "{} has no such component; its components are {}",
+                    arch.name(),
+                    arch.components().join(", ")
+                ),
+            ),
+            Some(path) => overrides.push((component, path.clone())),
+            None => {}
+        }
+    }
     let built_in = |c: &mut Checker| {
-        for (field, path) in overrides {
-            if path.is_some() {
-                c.fail(
-                    field,
-                    "only with a model folder or file in model.path".to_string(),
-                );
-            }
+        for (component, _) in &overrides {
+            c.fail(
+                format!("model.{component}"),
+                "only with a model folder or file in model.path".to_string(),
+            );
         }
     };
     let source = match m.path.to_str() {
@@ -1111,24 +1128,29 @@ fn check_model(
             built_in(c);
             Some(ModelSource::Tiny)
         }
-        Some("random:flux1-dev") => {
-            built_in(c);
-            Some(ModelSource::Random { guidance: true })
-        }
-        Some("random:flux1-schnell") => {
-            built_in(c);
-            Some(ModelSource::Random { guidance: false })
-        }
         Some(other) if other.starts_with("random:") => {
-            c.fail(
-                "model.path",
-                format!(
-                    "`{other}`: the random models are `random:flux1-dev` and `random:flux1-schnell`"
-                ),
-            );
-            None
+            built_in(c);
+            let shape = &other["random:".len()..];
+            if arch.random_shapes().contains(&shape) {
+                Some(ModelSource::Random(shape.to_string()))
+            } else {
+                let shapes: Vec<String> = arch
+                    .random_shapes()
+                    .iter()
+                    .map(|s| format!("`random:{s}`"))
+                    .collect();
+                c.fail(
+                    "model.path",
+                    format!(
+                        "`{other}`: the random {} models are {}",
+                        arch.name(),
+                        shapes.join(", ")
+                    ),
+                );
+                None
+            }
         }
-        _ => model_files(c, &resolve(&m.path), overrides, resolve).map(ModelSource::Files),
+        _ => model_files(c, arch, &resolve(&m.path), &overrides, resolve).map(ModelSource::Files),
     };
     let model_path = resolve(&m.path);
     let folder = match &m.tokenizers {
@@ -1136,15 +1158,23 @@ fn check_model(
         None if model_path.is_dir() => model_path,
         None => resolve(Path::new(".")),
     };
-    let found = ["tokenizer", "tokenizer_2"]
+    let found = arch
+        .tokenizer_folders()
         .iter()
         .all(|sub| folder.join(sub).is_dir());
     if !found && source.is_some() {
+        let wanted: Vec<String> = arch
+            .tokenizer_folders()
+            .iter()
+            .map(|f| format!("{f}/"))
+            .collect();
         c.fail(
             "model.tokenizers",
             format!(
-                "{} has no tokenizer/ and tokenizer_2/ folders (CLIP's and T5's tokenizer files)",
-                folder.display()
+                "{} lacks one of the folders {} (the tokenizer files of {})",
+                folder.display(),
+                wanted.join(", "),
+                arch.name()
             ),
         );
     }
@@ -1177,7 +1207,7 @@ fn check_model(
     };
     let slots = c.at_least("model.offload.ring_slots", m.offload.ring_slots, 2);
     Some(ModelPlan {
-        arch: arch?,
+        arch,
         source: source?,
         tokenizers: tokenizers?,
         dtype: dtype?,
@@ -1187,12 +1217,13 @@ fn check_model(
     })
 }
 
-/// The component files of a model whose `model.path` is `path` (a folder, or the transformer's
-/// file), with the overrides resolved and checked.
+/// The component files of `arch`'s model whose `model.path` is `path` (a folder, or the
+/// transformer's file), with the overrides resolved and checked.
 fn model_files(
     c: &mut Checker,
+    arch: Arch,
     path: &Path,
-    overrides: [(&str, &Option<PathBuf>); 4],
+    overrides: &[(&str, PathBuf)],
     resolve: &dyn Fn(&Path) -> PathBuf,
 ) -> Option<ModelFiles> {
     let folder = path.is_dir();
@@ -1200,39 +1231,44 @@ fn model_files(
         c.fail(
             "model.path",
             format!(
-                "{} does not exist; expected a diffusers folder (transformer/, vae/, text_encoder/, text_encoder_2/), the transformer's file, `tiny` or `random:flux1-dev`",
-                path.display()
+                "{} does not exist; expected a diffusers folder ({}/), the {}'s file, `tiny` or `random:{}`",
+                path.display(),
+                arch.components().join("/, "),
+                arch.components()[0],
+                arch.random_shapes()[0]
             ),
         );
         return None;
     }
-    let [transformer, vae, text_encoder, text_encoder_2] = overrides.map(|(field, given)| {
-        let component = match given {
-            Some(p) => resolve(p),
-            None if folder || field == "model.transformer" => path.to_path_buf(),
+    let mut files = BTreeMap::new();
+    let mut complete = true;
+    for (i, &component) in arch.components().iter().enumerate() {
+        let field = format!("model.{component}");
+        let given = overrides.iter().find(|(c, _)| *c == component);
+        let found = match given {
+            Some((_, p)) => resolve(p),
+            // The first component (the denoiser) is the single file itself.
+            None if folder || i == 0 => path.to_path_buf(),
             None => {
                 c.fail(
-                    field,
+                    &field,
                     format!(
                         "required when model.path is a single file ({}): a folder or a single file",
                         path.display()
                     ),
                 );
-                return None;
+                complete = false;
+                continue;
             }
         };
-        if !component.exists() {
-            c.fail(field, format!("{} does not exist", component.display()));
-            return None;
+        if !found.exists() {
+            c.fail(&field, format!("{} does not exist", found.display()));
+            complete = false;
+            continue;
         }
-        Some(component)
-    });
-    Some(ModelFiles {
-        transformer: transformer?,
-        vae: vae?,
-        text_encoder: text_encoder?,
-        text_encoder_2: text_encoder_2?,
-    })
+        files.insert(component.to_string(), found);
+    }
+    complete.then_some(ModelFiles(files))
 }
 
 fn check_train(c: &mut Checker, t: &TrainSectionYaml) -> Option<TrainSettings> {

@@ -39,9 +39,12 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         Target::AiToolkit => Format::AiToolkit,
     };
     let source = match args.model.as_str() {
-        "flux1" => ModelSource::Random { guidance: true },
+        "flux1" => ModelSource::Random("flux1-dev".into()),
         "tiny" => ModelSource::Tiny,
-        path => ModelSource::Files(ModelFiles::pipeline(Path::new(path))),
+        path => ModelSource::Files(ModelFiles::pipeline(
+            Path::new(path),
+            Arch::Flux1.components(),
+        )),
     };
     let names = lora_names(Arch::Flux1, &source)
         .with_context(|| format!("reading the model `{}`", args.model))?;

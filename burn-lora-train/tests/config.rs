@@ -258,7 +258,7 @@ fn the_example_configurations_validate() {
     let bench = load(&examples.join("flux/bench.yaml"), &[]).unwrap();
     assert_eq!(
         bench.model.source,
-        burn_lora_train::config::ModelSource::Random { guidance: true }
+        burn_lora_train::config::ModelSource::Random("flux1-dev".into())
     );
     assert!(bench.model.tokenizers.ends_with("tiny"));
     assert_eq!(bench.datasets[0].resolutions, [1024]);

@@ -36,7 +36,7 @@ struct Tiny<B: Backend> {
     up: LoraLinear<B>,
 }
 
-impl<B: Backend> Tiny<B> {
+impl<B: burn_kernels::Kernels> Tiny<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.up
             .forward(burn::tensor::activation::gelu(self.down.forward(x)))

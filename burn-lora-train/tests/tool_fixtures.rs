@@ -208,7 +208,7 @@ fn diffusers_applies_every_update_it_can() {
 /// `linear1` file whose split diffusers' converter gave back exactly.
 #[test]
 fn full_width_parts_convert_to_the_kohya_file_diffusers_splits() {
-    let names = lora_names(Arch::Flux1, &ModelSource::Random { guidance: true }).unwrap();
+    let names = lora_names(Arch::Flux1, &ModelSource::Random("flux1-dev".into())).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("kohya.safetensors");
     let report = names

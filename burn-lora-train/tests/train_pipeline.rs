@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use burn_lora_train::config::{ModelFiles, ModelSource, TrainPlan};
+use burn_lora_train::config::{Arch, ModelFiles, ModelSource, TrainPlan};
 use burn_lora_train::train::{Resume, TrainSummary};
 
 fn pipeline() -> PathBuf {
@@ -35,17 +35,15 @@ fn run(files: ModelFiles, streamed: bool) -> TrainSummary {
 #[test]
 fn the_pipeline_trains_the_same_from_its_folder_its_parts_and_streamed() {
     let folder = pipeline();
-    let resident = run(ModelFiles::pipeline(&folder), false);
-    let streamed = run(ModelFiles::pipeline(&folder), true);
-    let parts = run(
-        ModelFiles {
-            transformer: folder.join("transformer"),
-            vae: folder.join("vae"),
-            text_encoder: folder.join("text_encoder"),
-            text_encoder_2: folder.join("text_encoder_2"),
-        },
-        false,
-    );
+    let components = Arch::Flux1.components();
+    let resident = run(ModelFiles::pipeline(&folder, components), false);
+    let streamed = run(ModelFiles::pipeline(&folder, components), true);
+    let parts = components
+        .iter()
+        .fold(ModelFiles::pipeline(&folder, components), |files, c| {
+            files.with(c, folder.join(c))
+        });
+    let parts = run(parts, false);
 
     assert_eq!(resident.step, 3);
     assert!(
@@ -110,10 +108,10 @@ fn a_vae_that_yields_nan_stops_the_run_naming_it_and_the_image() {
     let output = tempfile::tempdir().unwrap();
     let mut plan: TrainPlan = common::plan(output.path(), 3);
     plan.model.tokenizers = plan.file.parent().unwrap().to_path_buf();
-    plan.model.source = ModelSource::Files(ModelFiles {
-        vae: vae.path().to_path_buf(),
-        ..ModelFiles::pipeline(&folder)
-    });
+    plan.model.source = ModelSource::Files(
+        ModelFiles::pipeline(&folder, Arch::Flux1.components())
+            .with("vae", vae.path().to_path_buf()),
+    );
     let error = common::run(&plan, Resume::Auto).unwrap_err().to_string();
     assert!(
         error.starts_with("the VAE produced non-finite values for "),

@@ -1,46 +1,50 @@
-//! The tiny FLUX.1 run on Burn's wgpu backend (in CI through Mesa's lavapipe, a Vulkan driver
-//! on the CPU): `Autodiff<Offload<Wgpu>>` trains the same model on the same noise as the CPU
-//! (the tiny models and the noise are drawn on the CPU), so its losses are the CPU run's
-//! recorded ones (`fixtures/golden/tiny_flux1.json`) up to the rounding of another f32
-//! implementation: within 1e-3, relative.
+//! `burnlora train examples/tiny/config.yaml` built for Burn's wgpu backend (in CI through
+//! Mesa's lavapipe, a Vulkan driver on the CPU): `Autodiff<Offload<Wgpu>>` trains the same model
+//! on the same noise as the CPU (the tiny models and the noise are drawn on the CPU), so the
+//! losses in its `loss.csv` are the CPU run's recorded ones (`fixtures/golden/tiny_flux1.json`)
+//! up to the rounding of another f32 implementation: within 1e-3, relative.
 #![cfg(feature = "wgpu")]
 
-mod common;
-
 use std::path::Path;
-
-use burn::backend::Wgpu;
-use burn_lora_train::report::StopFlag;
-use burn_lora_train::train::{Resume, train};
-use common::plan;
+use std::process::Command;
 
 #[test]
-fn the_tiny_run_on_wgpu_has_the_cpu_losses() {
-    let dir = tempfile::tempdir().unwrap();
-    let plan = plan(dir.path(), 3);
-    let summary = train::<Wgpu>(
-        &plan,
-        Resume::Auto,
-        &StopFlag::default(),
-        &Default::default(),
+fn burnlora_trains_the_tiny_example_on_wgpu_with_the_cpu_losses() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_burnlora"))
+        .args(["train", "examples/tiny/config.yaml"])
+        .current_dir(root.join(".."))
+        .env("BURNLORA_TRAIN__STEPS", "3")
+        .env("BURNLORA_LOGGING__LOG_EVERY", "1")
+        .env("BURNLORA_OUTPUT_DIR", out.path())
+        .status()
+        .unwrap();
+    assert!(status.success(), "burnlora train failed: {status}");
+    let run = out.path().join("tiny_lora");
+    assert!(run.join("tiny_lora_000000003.safetensors").is_file());
+
+    let csv = std::fs::read_to_string(run.join("loss.csv")).unwrap();
+    let losses: Vec<f64> = csv
+        .lines()
+        .filter_map(|line| line.split(',').nth(1)?.parse().ok())
+        .collect();
+    let record: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/golden/tiny_flux1.json")).unwrap(),
     )
     .unwrap();
-    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden/tiny_flux1.json");
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
     let cpu: Vec<f64> = record["losses"]
         .as_array()
         .unwrap()
         .iter()
         .map(|bits| f64::from_bits(u64::from_str_radix(bits.as_str().unwrap(), 16).unwrap()))
         .collect();
-    assert_eq!(summary.losses.len(), cpu.len());
-    for (step, (wgpu, cpu)) in summary.losses.iter().zip(&cpu).enumerate() {
+    assert_eq!(losses.len(), cpu.len(), "{csv}");
+    for (step, (wgpu, cpu)) in losses.iter().zip(&cpu).enumerate() {
         assert!(
             (wgpu - cpu).abs() <= 1e-3 * cpu.abs(),
             "step {}: wgpu loss {wgpu}, CPU loss {cpu}",
             step + 1
         );
     }
-    assert!(summary.lora.is_some_and(|lora| lora.is_file()));
 }

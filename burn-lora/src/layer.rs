@@ -17,6 +17,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, Tensor};
+use burn_kernels::Kernels;
 
 use crate::LoraError;
 use crate::adapter::{Adapter, Geometry};
@@ -202,8 +203,10 @@ fn add_branch<B: Backend, const D: usize>(
     y + d
 }
 
-impl<B: Backend> Adapted<B, Linear<B>> {
-    /// Applies the layer.
+impl<B: Kernels> Adapted<B, Linear<B>> {
+    /// Applies the layer: the base's product through [`burn_kernels::linear`] (the vendor
+    /// BLAS where the backend has one, else exactly `nn::Linear::forward`), plus the adapter's
+    /// update.
     ///
     /// # Shapes
     ///
@@ -211,11 +214,18 @@ impl<B: Backend> Adapted<B, Linear<B>> {
     /// - output: `[..., d_output]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
         let Some((adapter, factor)) = self.active() else {
-            return self.base.forward(input);
+            return self.base_forward(input);
         };
-        let y = self.base.forward(input.clone());
+        let y = self.base_forward(input.clone());
         let d = adapter.linear_update(adapter.input(input));
         add_branch(y, d, factor)
+    }
+}
+
+impl<B: Kernels> Adapted<B, Linear<B>> {
+    fn base_forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        let bias = self.base.bias.as_ref().map(|b| b.val());
+        burn_kernels::linear(input, self.base.weight.val(), bias)
     }
 }
 

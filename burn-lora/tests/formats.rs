@@ -32,7 +32,7 @@ struct Two<B: Backend> {
     fc: LoraLinear<B>,
 }
 
-impl<B: Backend> Two<B> {
+impl<B: burn_kernels::Kernels> Two<B> {
     fn new(device: &B::Device) -> Self {
         Self {
             conv: Conv2dConfig::new([4, 6], [3, 3]).init(device).into(),

@@ -116,7 +116,7 @@ fn randomize<B: Backend, M: Module<B>>(model: M, seed: f64) -> M {
     load_adapters(model, out).unwrap().0
 }
 
-impl<B: Backend> Net<B> {
+impl<B: burn_kernels::Kernels> Net<B> {
     fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let mut h = self.conv.forward(x).permute([0, 2, 3, 1]);
         for block in &self.blocks {
@@ -374,7 +374,7 @@ struct Small<B: Backend> {
     fc: LoraLinear<B>,
 }
 
-impl<B: Backend> Small<B> {
+impl<B: burn_kernels::Kernels> Small<B> {
     fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         self.fc.forward(self.conv.forward(x).permute([0, 2, 3, 1]))
     }

@@ -80,6 +80,19 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         B::fused_norm_rope(&inner_norm_rope(operands)?, options).map(outer)
     }
 
+    fn blas_routes(options: &KernelOptions) -> bool {
+        B::blas_routes(options)
+    }
+
+    /// Declined for a streamed weight: the decorator's own linear ops stream it.
+    fn blas_matmul(
+        lhs: &FloatTensor<Self>,
+        rhs: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::blas_matmul(inner(lhs)?, inner(rhs)?, options).map(outer)
+    }
+
     fn fused_norm_rope_backward(
         operands: &NormRope<Self>,
         grad: FloatTensor<Self>,

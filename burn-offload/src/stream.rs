@@ -51,12 +51,6 @@ impl<B: OffloadBackend> WeightStream<B> {
         Ok(())
     }
 
-    /// Sets the activation headroom the trainer measured, and replans.
-    pub fn set_activation_headroom(&self, bytes: u64) {
-        let config = self.engine.config().with_activation_headroom(bytes);
-        self.engine.configure(config);
-    }
-
     /// Turns every frozen float parameter of rank 2 or more (those that do not require
     /// gradients: on a backend without autodiff, all of them) into a streamed weight. Trainable
     /// parameters, vectors (biases, norm scales) and parameters already streamed are left as

@@ -262,7 +262,9 @@ fn activation_headroom_comes_out_of_the_budget() {
     stream.end_step();
     assert_eq!(stream.routes()[3].1, Route::Resident);
     // What is left after the headroom holds the ring and nothing else.
-    stream.set_activation_headroom(weight_bytes);
+    stream
+        .reconfigure(stream.config().with_activation_headroom(weight_bytes))
+        .unwrap();
     assert!(stream.routes().iter().all(|(_, r)| *r == Route::Ring));
 }
 

@@ -17,15 +17,11 @@ pub enum ScoreBias<B: Backend> {
 /// Attention over heads, `softmax(q kᵀ / √d) v`, without mask.
 ///
 /// Every model calls attention through this one function or [`attention`], so that a fused
-/// kernel replaces it in one place: on `Autodiff<Offload<Cuda>>` and `Offload<Cuda>`, bf16
-/// heads of 64 or 128 run burn-offload's fused kernels, forward and backward
-/// ([`burn_kernels::attention`]). Elsewhere it computes the full score matrix: the two products
-/// in the inputs' dtype, the softmax in f32. This is the decomposition Burn 0.21 uses under
-/// `Autodiff` anyway; on the inner CUDA backend Burn's own fused attention op (forward only) is
-/// slower at FLUX sizes (4.5 s against 3.0 s for a whole checkpointed training step) and did
-/// not finish compiling within minutes for the VAE's single 512-wide head. The scale multiplies
-/// `q` before the first product, a pass over `[.., len_q, head_dim]` instead of one over the f32
-/// score matrix, forward and backward.
+/// kernel replaces it in one place: [`burn_kernels::attention`] where the backend has one
+/// (CUDA: bf16 heads of 64 or 128, forward and backward). Elsewhere it computes the full score
+/// matrix: the two products in the inputs' dtype, the softmax in f32, the scale applied to `q`
+/// before the first product (a pass over `[.., len_q, head_dim]` instead of one over the score
+/// matrix). burn-kernels/DESIGN.md says why Burn's own attention op is not used.
 ///
 /// # Shapes
 /// - `q`: `[batch, heads, len_q, head_dim]`

@@ -53,6 +53,16 @@ const POOLED: &str = "pooled";
 /// And T5's last hidden state `[tokens, 4096]`.
 const STATES: &str = "states";
 
+/// The components, as `model.<component>` and diffusers folders name them.
+pub(super) const COMPONENTS: &[&str] = &["transformer", "vae", "text_encoder", "text_encoder_2"];
+/// The `random:` shapes: FLUX.1-dev's (guidance-distilled) and schnell's.
+pub(super) const RANDOM_SHAPES: &[&str] = &["flux1-dev", "flux1-schnell"];
+/// The tokenizers: CLIP's and T5's, as in a diffusers folder.
+pub(super) const TOKENIZERS: &[&str] = &["tokenizer", "tokenizer_2"];
+
+/// CLIP-L and T5-XXL.
+type TextEncoders<B> = (ClipTextModel<B>, T5Encoder<B>);
+
 /// The FLUX.1 family, for one model source.
 #[derive(Clone, Debug)]
 pub struct Flux1 {
@@ -64,9 +74,11 @@ impl Flux1 {
     pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
         let config = match source {
             ModelSource::Tiny => FluxConfig::new(64, 64, 32, 32, 32, 2, 2, 2, vec![4, 6, 6], true),
-            ModelSource::Random { guidance: true } => FluxConfig::dev(),
-            ModelSource::Random { guidance: false } => FluxConfig::schnell(),
-            ModelSource::Files(files) => FluxCheckpoint::open(&files.transformer)?.config().clone(),
+            ModelSource::Random(shape) if shape == "flux1-schnell" => FluxConfig::schnell(),
+            ModelSource::Random(_) => FluxConfig::dev(),
+            ModelSource::Files(files) => FluxCheckpoint::open(files.get("transformer"))?
+                .config()
+                .clone(),
         };
         Ok(Self { config })
     }
@@ -110,8 +122,10 @@ impl Flux1 {
                 let host = materialize(config.init::<Flex>(&HOST), dtype);
                 from_host(&host, config.init::<B>(device))
             }
-            ModelSource::Random { .. } => materialize(VaeConfig::flux().init::<B>(device), dtype),
-            ModelSource::Files(files) => VaeCheckpoint::open(&files.vae)?.load(device, dtype)?,
+            ModelSource::Random(_) => materialize(VaeConfig::flux().init::<B>(device), dtype),
+            ModelSource::Files(files) => {
+                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
+            }
         })
     }
 
@@ -121,7 +135,7 @@ impl Flux1 {
         plan: &TrainPlan,
         device: &B::Device,
         stream: Option<&WeightStream<Offload<B>>>,
-    ) -> Result<(ClipTextModel<Offload<B>>, T5Encoder<Offload<B>>), TrainError> {
+    ) -> Result<TextEncoders<Offload<B>>, TrainError> {
         let dtype = float_dtype(plan);
         let seed = plan.train.seed;
         let (clip, t5) = match &plan.model.source {
@@ -158,21 +172,19 @@ impl Flux1 {
                     from_host(&host_t5, t5.init(device)),
                 )
             }
-            ModelSource::Random { .. } => {
+            ModelSource::Random(_) => {
                 Offload::<B>::seed(device, seed ^ 2);
                 let clip = materialize(ClipTextConfig::clip_l().init(device), dtype);
                 Offload::<B>::seed(device, seed ^ 3);
                 (clip, materialize(T5Config::xxl().init(device), dtype))
             }
             ModelSource::Files(files) => {
-                let clip = ClipTextModel::load(&files.text_encoder, device, dtype)?;
-                let path = &files.text_encoder_2;
+                let clip = ClipTextModel::load(files.get("text_encoder"), device, dtype)?;
+                let path = files.get("text_encoder_2");
                 let t5 = match stream {
                     Some(stream) => {
                         T5Encoder::load_with(path, device, dtype, &mut |name, data| {
-                            stream
-                                .streamed_tensor::<2>(name, data)
-                                .map_err(|e| e.to_string())
+                            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
                         })?
                     }
                     None => T5Encoder::load(path, device, dtype)?,
@@ -202,9 +214,8 @@ impl Family for Flux1 {
     fn base_model_name(&self, plan: &TrainPlan) -> String {
         match &plan.model.source {
             ModelSource::Tiny => "tiny".to_string(),
-            ModelSource::Random { guidance: true } => "random:flux1-dev".to_string(),
-            ModelSource::Random { guidance: false } => "random:flux1-schnell".to_string(),
-            ModelSource::Files(files) => files.transformer.display().to_string(),
+            ModelSource::Random(shape) => format!("random:{shape}"),
+            ModelSource::Files(files) => files.get("transformer").display().to_string(),
         }
     }
 
@@ -297,19 +308,21 @@ impl Family for Flux1 {
         let dtype = float_dtype(plan);
         TrainBackend::<B>::seed(device, plan.train.seed ^ 4);
         let flux = match (&plan.model.source, stream) {
-            (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(&files.transformer)?
-                .load_with(device, dtype, &mut |name, data| {
-                    stream
-                        .streamed_tensor::<2>(name, data)
-                        .map_err(|e| e.to_string())
-                })?,
-            (ModelSource::Files(files), None) => Flux::load(&files.transformer, device, dtype)?,
+            (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(
+                files.get("transformer"),
+            )?
+            .load_with(device, dtype, &mut |name, data| {
+                stream.streamed_tensor::<2>(name, data).map_err(Into::into)
+            })?,
+            (ModelSource::Files(files), None) => {
+                Flux::load(files.get("transformer"), device, dtype)?
+            }
             (ModelSource::Tiny, _) => {
                 Flex::seed(&HOST, plan.train.seed ^ 4);
                 let host = materialize(self.config.init::<Flex>(&HOST), dtype);
                 from_host(&host, self.config.init(device))
             }
-            (ModelSource::Random { .. }, _) => materialize(self.config.init(device), dtype),
+            (ModelSource::Random(_), _) => materialize(self.config.init(device), dtype),
         };
         Ok(flux.no_grad())
     }

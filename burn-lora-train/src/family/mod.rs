@@ -54,6 +54,28 @@ impl Arch {
             Arch::Flux1 => "flux1",
         }
     }
+
+    /// The model's components, as `model.<component>` names them and a diffusers folder holds
+    /// them; the first is the trained denoiser.
+    pub fn components(self) -> &'static [&'static str] {
+        match self {
+            Arch::Flux1 => flux1::COMPONENTS,
+        }
+    }
+
+    /// The shapes of `random:<shape>` models.
+    pub fn random_shapes(self) -> &'static [&'static str] {
+        match self {
+            Arch::Flux1 => flux1::RANDOM_SHAPES,
+        }
+    }
+
+    /// The tokenizer folders the model's text encoders need, under `model.tokenizers`.
+    pub fn tokenizer_folders(self) -> &'static [&'static str] {
+        match self {
+            Arch::Flux1 => flux1::TOKENIZERS,
+        }
+    }
 }
 
 /// One training sample as the family's objective sees it: the item's encodings and its

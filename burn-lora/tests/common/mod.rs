@@ -78,7 +78,7 @@ pub struct Tiny<B: Backend> {
     pub head: LoraLinear<B>,
 }
 
-impl<B: Backend> Tiny<B> {
+impl<B: burn_kernels::Kernels> Tiny<B> {
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let mut h = self.conv.forward(x).permute([0, 2, 3, 1]);
         for block in &self.blocks {

@@ -8,30 +8,13 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{TensorData, TensorMetadata};
 use cubecl_common::future::block_on;
 
-use crate::fused::{FusedOps, GELU_CUBIC as CUBIC, NoKernel, NormRope, SQRT_2_OVER_PI, UnaryOp};
+use crate::fused::{
+    FusedOps, GELU_CUBIC as CUBIC, NormRope, SQRT_2_OVER_PI, UnaryOp, no_fused_attention,
+};
 use crate::options::KernelOptions;
 
 impl FusedOps for Flex {
-    type Attention = NoKernel;
-
-    fn fused_attention(
-        _q: &FloatTensor<Self>,
-        _k: &FloatTensor<Self>,
-        _v: &FloatTensor<Self>,
-        _scale: f32,
-        _options: &KernelOptions,
-    ) -> Option<(FloatTensor<Self>, NoKernel)> {
-        None
-    }
-
-    fn fused_attention_backward(
-        _qkv: [&FloatTensor<Self>; 3],
-        saved: &NoKernel,
-        _grad: FloatTensor<Self>,
-        _scale: f32,
-    ) -> [FloatTensor<Self>; 3] {
-        match *saved {}
-    }
+    no_fused_attention!();
 
     fn fused_unary(
         op: UnaryOp,

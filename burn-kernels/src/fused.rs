@@ -125,3 +125,31 @@ pub trait FusedOps: Backend {
         None
     }
 }
+
+/// The attention methods of [`FusedOps`] for a backend without a fused attention: the forward
+/// declines, and the backward's state is [`NoKernel`], so it cannot be reached.
+macro_rules! no_fused_attention {
+    () => {
+        type Attention = $crate::NoKernel;
+
+        fn fused_attention(
+            _q: &burn::tensor::ops::FloatTensor<Self>,
+            _k: &burn::tensor::ops::FloatTensor<Self>,
+            _v: &burn::tensor::ops::FloatTensor<Self>,
+            _scale: f32,
+            _options: &$crate::KernelOptions,
+        ) -> Option<(burn::tensor::ops::FloatTensor<Self>, $crate::NoKernel)> {
+            None
+        }
+
+        fn fused_attention_backward(
+            _qkv: [&burn::tensor::ops::FloatTensor<Self>; 3],
+            saved: &$crate::NoKernel,
+            _grad: burn::tensor::ops::FloatTensor<Self>,
+            _scale: f32,
+        ) -> [burn::tensor::ops::FloatTensor<Self>; 3] {
+            match *saved {}
+        }
+    };
+}
+pub(crate) use no_fused_attention;

@@ -1,4 +1,4 @@
-//! burn-offload's fused attention checked on one CUDA GPU: outputs and the gradients of q, k and
+//! burn-kernels' fused attention checked on one CUDA GPU: outputs and the gradients of q, k and
 //! v compared with the separate-ops attention on the same backend and with a float64 reference
 //! on the CPU, for tile-aligned and ragged lengths, both head sizes, cross attention and a
 //! strided v; attention at FLUX size is timed first on `Autodiff<Offload<Cuda>>`, forward and

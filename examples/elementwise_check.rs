@@ -1,4 +1,4 @@
-//! burn-offload's fused elementwise ops checked on one CUDA GPU in bf16: GELU (tanh), layer norm
+//! burn-kernels' fused elementwise ops checked on one CUDA GPU in bf16: GELU (tanh), layer norm
 //! and the q/k RMS norm with the rotary embedding, output and input gradient, on
 //! `Autodiff<Offload<Cuda>>` (the fused CubeCL kernels) and on `Autodiff<Cuda>` (the separate
 //! ops), both against a reference on the CPU from the same bf16 inputs held in float64 (the

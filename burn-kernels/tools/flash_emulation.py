@@ -1,4 +1,4 @@
-"""Lane-level emulation of ../src/flash_attention.cu on the CPU.
+"""Lane-level emulation of ../src/cuda/flash_attention.cu on the CPU.
 
 Each warp instruction the kernels use is emulated per lane with the register layouts of the PTX
 ISA (ldmatrix .x4 with and without .trans, mma.m16n8k16 bf16 -> f32, bf16 packing, cp.async as a

@@ -138,7 +138,7 @@ impl FluxCheckpoint {
     /// in Burn's layout and in `dtype`) is handed to `place`, by parameter path, instead of
     /// being uploaded to `device`: a model larger than the device's memory loads this way into
     /// host memory (burn-offload's `WeightStream::streamed_tensor`). An error `place` returns
-    /// is reported as [`LoadError::Config`] naming the parameter.
+    /// is reported as [`LoadError::Place`] naming the parameter.
     pub fn load_with<B: Kernels>(
         &self,
         device: &B::Device,

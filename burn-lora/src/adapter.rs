@@ -8,8 +8,8 @@
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::module::linear;
 use burn::tensor::{DType, Distribution, Tensor, TensorCreationOptions, TensorData};
+use burn_kernels::{Kernels, linear};
 
 use crate::LoraError;
 use crate::config::{AdapterConfig, LokrConfig, LoraConfig, factorize};
@@ -225,30 +225,6 @@ impl<B: Backend> Adapter<B> {
         }
     }
 
-    /// The unscaled update applied to the input of a linear layer: `x · (up · down)ᵀ`, or
-    /// `x · (w1 ⊗ w2)ᵀ` computed as `W1 · X · W2ᵀ` on `x` reshaped to `[…, in₁, in₂]`, so the
-    /// Kronecker product is never formed.
-    pub(crate) fn linear_update<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        match self {
-            Self::Lora(w) => linear(
-                linear(x, w.down.val().transpose(), None),
-                w.up.val().transpose(),
-                None,
-            ),
-            Self::Lokr(w) => {
-                let (w1, w2) = (w.w1.val(), w.second_factor());
-                let ([o1, i1], [o2, i2]) = (w1.dims(), w2.dims());
-                let mut dims = x.dims();
-                let rows = dims[..D - 1].iter().product();
-                let x = x.reshape([rows, i1, i2]);
-                let h = linear(x, w2.transpose(), None).swap_dims(1, 2);
-                let y = linear(h, w1.transpose(), None).swap_dims(1, 2);
-                dims[D - 1] = o1 * o2;
-                y.reshape(dims)
-            }
-        }
-    }
-
     /// The LoRA factors `(down, up)`, `None` for LoKr.
     pub(crate) fn lora_factors(&self) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
         match self {
@@ -369,6 +345,33 @@ fn param<B: Backend>(
             Param::from_mapped_value(id, tensor.set_require_grad(require_grad), mapper)
         }
         None => Param::initialized(ParamId::new(), tensor.require_grad()),
+    }
+}
+
+impl<B: Kernels> Adapter<B> {
+    /// The unscaled update applied to the input of a linear layer: `x · (up · down)ᵀ`, or
+    /// `x · (w1 ⊗ w2)ᵀ` computed as `W1 · X · W2ᵀ` on `x` reshaped to `[…, in₁, in₂]`, so the
+    /// Kronecker product is never formed. The products go through [`burn_kernels::linear`]
+    /// (the vendor BLAS where the backend has one, else Burn's `linear`).
+    pub(crate) fn linear_update<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Self::Lora(w) => linear(
+                linear(x, w.down.val().transpose(), None),
+                w.up.val().transpose(),
+                None,
+            ),
+            Self::Lokr(w) => {
+                let (w1, w2) = (w.w1.val(), w.second_factor());
+                let ([o1, i1], [o2, i2]) = (w1.dims(), w2.dims());
+                let mut dims = x.dims();
+                let rows = dims[..D - 1].iter().product();
+                let x = x.reshape([rows, i1, i2]);
+                let h = linear(x, w2.transpose(), None).swap_dims(1, 2);
+                let y = linear(h, w1.transpose(), None).swap_dims(1, 2);
+                dims[D - 1] = o1 * o2;
+                y.reshape(dims)
+            }
+        }
     }
 }
 

@@ -83,6 +83,22 @@ fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D>
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
+/// `run` under the installed options when `enabled` says they allow it, its result counted by
+/// `count`: the part every fused entry point shares.
+fn fused<B: Backend, const D: usize>(
+    enabled: fn(&KernelOptions) -> bool,
+    count: fn(),
+    run: impl FnOnce(&KernelOptions) -> Option<FloatTensor<B>>,
+) -> Option<Tensor<B, D>> {
+    let options = KernelOptions::current();
+    if !enabled(&options) {
+        return None;
+    }
+    let out = run(&options)?;
+    count();
+    Some(tensor(out))
+}
+
 /// `softmax(scale · q kᵀ) v` over `[batch, heads, rows, head_dim]` tensors through the
 /// backend's fused kernel (on CUDA: bf16, heads of 64 or 128), forward and backward; `None`
 /// where there is none for these tensors or the installed options switch it off.
@@ -92,19 +108,19 @@ pub fn attention<B: Kernels>(
     v: &Tensor<B, 4>,
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
-    let options = KernelOptions::current();
-    if !options.fused_attention {
-        return None;
-    }
-    let out = <B as Kernels>::attention(
-        &primitive(q),
-        &primitive(k),
-        &primitive(v),
-        scale as f32,
-        &options,
-    )?;
-    counters::count_attention();
-    Some(tensor(out))
+    fused(
+        |o| o.fused_attention,
+        counters::count_attention,
+        |options| {
+            <B as Kernels>::attention(
+                &primitive(q),
+                &primitive(k),
+                &primitive(v),
+                scale as f32,
+                options,
+            )
+        },
+    )
 }
 
 /// GELU with the tanh approximation, computed in f32 in one kernel (one more for its gradient)
@@ -121,13 +137,11 @@ pub fn layer_norm<B: Kernels, const D: usize>(x: &Tensor<B, D>, eps: f64) -> Opt
 }
 
 fn unary<B: Kernels, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Tensor<B, D>> {
-    let options = KernelOptions::current();
-    if !options.fused_elementwise {
-        return None;
-    }
-    let out = <B as Kernels>::unary(op, &primitive(x), &options)?;
-    counters::count_elementwise();
-    Some(tensor(out))
+    fused(
+        |o| o.fused_elementwise,
+        counters::count_elementwise,
+        |options| <B as Kernels>::unary(op, &primitive(x), options),
+    )
 }
 
 /// `x / √(mean(x²) + eps) · scale` over the last dimension, then each pair of lanes
@@ -145,20 +159,20 @@ pub fn rms_norm_rope<B: Kernels>(
     sin: &Tensor<B, 2>,
     eps: f64,
 ) -> Option<Tensor<B, 4>> {
-    let options = KernelOptions::current();
-    if !options.fused_elementwise {
-        return None;
-    }
-    let operands = NormRope {
-        x: primitive(x),
-        scale: primitive(scale),
-        cos: primitive(cos),
-        sin: primitive(sin),
-        eps: eps as f32,
-    };
-    let out = <B as Kernels>::norm_rope(operands, &options)?;
-    counters::count_elementwise();
-    Some(tensor(out))
+    fused(
+        |o| o.fused_elementwise,
+        counters::count_elementwise,
+        |options| {
+            let operands = NormRope {
+                x: primitive(x),
+                scale: primitive(scale),
+                cos: primitive(cos),
+                sin: primitive(sin),
+                eps: eps as f32,
+            };
+            <B as Kernels>::norm_rope(operands, options)
+        },
+    )
 }
 
 /// `x · weight + bias` (weight `[d_input, d_output]`, bias `[d_output]`: an `nn::Linear`'s

@@ -2,9 +2,11 @@
 //! creating lazily initialized parameters, and random models built on the CPU.
 
 use burn::backend::Flex;
+use burn::backend::flex::FlexDevice;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn_diffusion::materialize;
 use burn_offload::{OffloadConfig, WireFormat};
 use burn_quant::Fp8Format;
 
@@ -49,11 +51,18 @@ pub(crate) fn initialize<B: Backend, M: Module<B>>(module: &M) {
     module.visit(&mut Touch);
 }
 
-/// `target` with the parameter values of `host`, a module of the same structure built on the
-/// CPU: a model whose random values must not depend on the backend (each backend's generator
-/// draws its own numbers for the same seed) is built with `Flex`'s and copied over. Parameters
-/// keep `target`'s ids and gradient flags.
-pub(crate) fn from_host<B: Backend, M: Module<B>, H: Module<Flex>>(host: &H, target: M) -> M {
+/// `target` with the parameter values `build` gives on the CPU from `seed`, in `dtype`: a model
+/// whose random values must not depend on the backend (each backend's generator draws its own
+/// numbers for the same seed) is built with `Flex`'s and copied over. `build` makes a module of
+/// the same structure as `target`; the parameters keep `target`'s ids and gradient flags.
+pub(crate) fn built_on_host<B: Backend, M: Module<B>, H: Module<Flex>>(
+    seed: u64,
+    dtype: FloatDType,
+    build: impl FnOnce(&FlexDevice) -> H,
+    target: M,
+) -> M {
+    Flex::seed(&FlexDevice, seed);
+    let host = materialize(build(&FlexDevice), dtype);
     struct Collect(Vec<TensorData>);
     impl ModuleVisitor<Flex> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
@@ -79,6 +88,7 @@ pub(crate) fn from_host<B: Backend, M: Module<B>, H: Module<Flex>>(host: &H, tar
     }
     let mut values = Collect(Vec::new());
     host.visit(&mut values);
+    drop(host);
     let device = target
         .devices()
         .into_iter()

@@ -31,15 +31,15 @@ use super::{
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
 use crate::error::TrainError;
-use crate::models::{float_dtype, from_host, offload_config};
+use crate::models::{built_on_host, float_dtype, offload_config};
 use crate::rng::Rng;
 
 /// Caption length of the tiny model's CLIP and T5.
 const TINY_TOKENS: usize = 16;
 /// CLIP's caption length in the FLUX.1 pipeline.
 const CLIP_TOKENS: usize = 77;
-/// Where the tiny models are built before they are copied to the device, so that their random
-/// values are the same on every backend.
+/// Where the noise is drawn before it is copied to the device, so that it is the same on every
+/// backend.
 const HOST: FlexDevice = FlexDevice;
 /// Images encoded by the VAE per batch (of one bucket).
 const VAE_BATCH: usize = 4;
@@ -118,9 +118,12 @@ impl Flux1 {
                     norm_num_groups: 4,
                     ..VaeConfig::flux()
                 };
-                Flex::seed(&HOST, plan.train.seed ^ 1);
-                let host = materialize(config.init::<Flex>(&HOST), dtype);
-                from_host(&host, config.init::<B>(device))
+                built_on_host(
+                    plan.train.seed ^ 1,
+                    dtype,
+                    |host| config.init::<Flex>(host),
+                    config.init::<B>(device),
+                )
             }
             ModelSource::Random(_) => materialize(VaeConfig::flux().init::<B>(device), dtype),
             ModelSource::Files(files) => {
@@ -140,7 +143,6 @@ impl Flux1 {
         let seed = plan.train.seed;
         let (clip, t5) = match &plan.model.source {
             ModelSource::Tiny => {
-                Flex::seed(&HOST, seed ^ 2);
                 let clip = ClipTextConfig {
                     vocab_size: 4096,
                     hidden_size: 32,
@@ -153,8 +155,8 @@ impl Flux1 {
                     eos_token_id: 2,
                     projection_dim: None,
                 };
-                let host_clip = materialize(clip.init::<Flex>(&HOST), dtype);
-                Flex::seed(&HOST, seed ^ 3);
+                let clip =
+                    built_on_host(seed ^ 2, dtype, |h| clip.init::<Flex>(h), clip.init(device));
                 let t5 = T5Config {
                     vocab_size: 4096,
                     d_model: 32,
@@ -166,11 +168,8 @@ impl Flux1 {
                     relative_attention_max_distance: 16,
                     layer_norm_epsilon: 1e-6,
                 };
-                let host_t5 = materialize(t5.init::<Flex>(&HOST), dtype);
-                (
-                    from_host(&host_clip, clip.init(device)),
-                    from_host(&host_t5, t5.init(device)),
-                )
+                let t5 = built_on_host(seed ^ 3, dtype, |h| t5.init::<Flex>(h), t5.init(device));
+                (clip, t5)
             }
             ModelSource::Random(_) => {
                 Offload::<B>::seed(device, seed ^ 2);
@@ -317,11 +316,12 @@ impl Family for Flux1 {
             (ModelSource::Files(files), None) => {
                 Flux::load(files.get("transformer"), device, dtype)?
             }
-            (ModelSource::Tiny, _) => {
-                Flex::seed(&HOST, plan.train.seed ^ 4);
-                let host = materialize(self.config.init::<Flex>(&HOST), dtype);
-                from_host(&host, self.config.init(device))
-            }
+            (ModelSource::Tiny, _) => built_on_host(
+                plan.train.seed ^ 4,
+                dtype,
+                |host| self.config.init::<Flex>(host),
+                self.config.init(device),
+            ),
             (ModelSource::Random(_), _) => materialize(self.config.init(device), dtype),
         };
         Ok(flux.no_grad())

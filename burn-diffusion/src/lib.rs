@@ -37,6 +37,7 @@ mod checkpointing;
 pub mod clip;
 mod error;
 pub mod flux;
+pub mod flux2;
 pub mod pipeline;
 pub mod t5;
 pub mod tokenize;

@@ -1,13 +1,16 @@
-//! The FLUX.1 transformer against diffusers: fixtures made by `tests/fixtures/make_fixtures.py`
-//! (tiny random models, run by diffusers 0.42.1), loaded from the diffusers folder, from the
-//! same weights in BFL layout, and from a ComfyUI-style scaled-FP8 BFL file.
+//! The FLUX.1 and FLUX.2 transformers against diffusers: fixtures made by
+//! `tests/fixtures/make_fixtures.py` and `make_flux2_fixtures.py` (tiny random models, run by
+//! diffusers 0.42.1), loaded from the diffusers folder, from the same weights in BFL layout,
+//! and from a ComfyUI-style scaled-FP8 BFL file.
 
 use std::path::{Path, PathBuf};
 
 use burn::backend::Flex;
+use burn::backend::flex::FlexDevice;
 use burn::tensor::FloatDType;
 use burn_diffusion::LoadError;
 use burn_diffusion::flux::{FluxCheckpoint, Layout, forward_file};
+use burn_diffusion::flux2::Flux2Checkpoint;
 use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
 
 /// Relative error required in f32.
@@ -16,10 +19,37 @@ const F32_TOLERANCE: f64 = 1e-5;
 /// this only guards against gross errors.
 const BF16_TOLERANCE: f64 = 3e-2;
 
+/// A family's `forward_file`: model, inputs, output, dtype, device.
+type Forward = fn(&Path, &Path, &Path, FloatDType, &FlexDevice) -> Result<Vec<usize>, LoadError>;
+
+/// A family's fixtures and its `forward_file`.
+#[derive(Clone, Copy)]
+struct Family {
+    fixtures: &'static str,
+    forward: Forward,
+}
+
+const FLUX1: Family = Family {
+    fixtures: "flux",
+    forward: forward_file::<Flex>,
+};
+
+const FLUX2: Family = Family {
+    fixtures: "flux2",
+    forward: burn_diffusion::flux2::forward_file::<Flex>,
+};
+
+impl Family {
+    fn case(self, name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(self.fixtures)
+            .join(name)
+    }
+}
+
 fn case(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/flux")
-        .join(name)
+    FLUX1.case(name)
 }
 
 fn read(file: &Path, key: &str) -> Vec<f32> {
@@ -46,6 +76,19 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
 /// Runs `model` on every input set of `case` through `forward_file`; returns the worst relative
 /// error against the reference `key`.
 fn worst_error(case_name: &str, model: &Path, shapes: usize, dtype: FloatDType, key: &str) -> f64 {
+    family_error(FLUX1, case_name, model, shapes, dtype, key)
+}
+
+/// [`worst_error`] for `family`.
+fn family_error(
+    family: Family,
+    case_name: &str,
+    model: &Path,
+    shapes: usize,
+    dtype: FloatDType,
+    key: &str,
+) -> f64 {
+    let case = |name: &str| family.case(name);
     let dir = tempfile::tempdir().unwrap();
     let device = Default::default();
     (0..shapes)
@@ -56,7 +99,7 @@ fn worst_error(case_name: &str, model: &Path, shapes: usize, dtype: FloatDType, 
                 &case(case_name).join(format!("output_{k}.safetensors")),
                 key,
             );
-            let shape = forward_file::<Flex>(model, &inputs, &output, dtype, &device).unwrap();
+            let shape = (family.forward)(model, &inputs, &output, dtype, &device).unwrap();
             assert_eq!(shape.iter().product::<usize>(), expected.len());
             let error = relative_error(&read(&output, "output"), &expected);
             println!(
@@ -337,4 +380,72 @@ fn flatten(model: &burn_diffusion::flux::Flux<Flex>) -> Vec<(String, Vec<usize>,
     let mut all = All(Vec::new(), Vec::new());
     model.visit(&mut all);
     all.1
+}
+
+#[test]
+fn flux2_files_match_diffusers_in_f32() {
+    for (name, shapes) in [("dev", 2), ("klein", 1)] {
+        let folder = FLUX2.case(name);
+        let bfl = folder.join("flux2-bfl.safetensors");
+        let from_folder = Flux2Checkpoint::open(&folder).unwrap();
+        let from_bfl = Flux2Checkpoint::open(&bfl).unwrap();
+        assert_eq!(from_folder.layout(), Layout::Diffusers);
+        assert_eq!(from_bfl.layout(), Layout::Bfl);
+        assert_eq!(
+            from_bfl.config(),
+            from_folder.config(),
+            "{name}: inferred config"
+        );
+        assert_eq!(from_folder.config().guidance_embed, name == "dev");
+        for model in [folder, bfl] {
+            let error = family_error(FLUX2, name, &model, shapes, FloatDType::F32, "output");
+            assert!(error <= F32_TOLERANCE, "{name}: relative error {error:.2e}");
+        }
+    }
+}
+
+#[test]
+fn flux2_scaled_fp8_file_matches_diffusers_on_the_dequantized_weights() {
+    let model = FLUX2.case("fp8").join("flux2-bfl-fp8.safetensors");
+    let error = family_error(FLUX2, "fp8", &model, 1, FloatDType::F32, "output");
+    assert!(error <= F32_TOLERANCE, "relative error {error:.2e}");
+}
+
+#[test]
+fn flux2_bf16_stays_close_to_diffusers_in_bf16() {
+    for (name, shapes) in [("dev", 2), ("klein", 1)] {
+        let model = FLUX2.case(name);
+        let error = family_error(FLUX2, name, &model, shapes, FloatDType::BF16, "output_bf16");
+        assert!(
+            error <= BF16_TOLERANCE,
+            "{name}: relative error {error:.2e}"
+        );
+    }
+}
+
+#[test]
+fn flux2_refuses_a_flux1_file_and_guidance_it_has_no_embedding_for() {
+    let error = Flux2Checkpoint::open(&case("guidance").join("flux1-bfl.safetensors"))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("not a FLUX.2 transformer")
+            && error.contains("double_stream_modulation_img.lin.weight"),
+        "{error}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let error = (FLUX2.forward)(
+        &FLUX2.case("klein"),
+        &FLUX2.case("dev").join("inputs_1.safetensors"),
+        &dir.path().join("out.safetensors"),
+        FloatDType::F32,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("encoder_hidden_states") || error.contains("guidance"),
+        "{error}"
+    );
 }

@@ -90,44 +90,8 @@ pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
     ));
 
     for i in 0..config.depth {
-        let p = format!("double_blocks.{i}");
-        let d = format!("transformer_blocks.{i}");
-        for (stream, norm, attn_out, ff, added) in [
-            ("img", "norm1", "attn.to_out.0", "ff", ""),
-            (
-                "txt",
-                "norm1_context",
-                "attn.to_add_out",
-                "ff_context",
-                "add_",
-            ),
-        ] {
-            let (m, b) = same(&format!("{p}.{stream}_mod.lin"));
-            out.push(whole(m, b, format!("{d}.{norm}.linear"), h, 6 * h));
-            let qkv = if added.is_empty() {
-                ["to_q", "to_k", "to_v"].map(|n| format!("{d}.attn.{n}"))
-            } else {
-                ["add_q_proj", "add_k_proj", "add_v_proj"].map(|n| format!("{d}.attn.{n}"))
-            };
-            let (m, b) = same(&format!("{p}.{stream}_attn.qkv"));
-            out.push(stacked(m, b, qkv.iter().map(|n| (n.as_str(), h)), h));
-            let (m, b) = same(&format!("{p}.{stream}_attn.proj"));
-            out.push(whole(m, b, format!("{d}.{attn_out}"), h, h));
-            out.push(whole(
-                format!("{p}.{stream}_mlp.lin1"),
-                format!("{p}.{stream}_mlp.0"),
-                format!("{d}.{ff}.net.0.proj"),
-                h,
-                mlp,
-            ));
-            out.push(whole(
-                format!("{p}.{stream}_mlp.lin2"),
-                format!("{p}.{stream}_mlp.2"),
-                format!("{d}.{ff}.net.2"),
-                mlp,
-                h,
-            ));
-        }
+        let mlp_names = ["net.0.proj", "net.2"];
+        out.extend(double_block_keys(i, h, [mlp, mlp], mlp_names, true));
     }
     for i in 0..config.depth_single_blocks {
         let p = format!("single_blocks.{i}");
@@ -152,30 +116,109 @@ pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
         out.push(whole(m, b, format!("{d}.norm.linear"), h, 3 * h));
     }
 
-    let (m, b) = same("final_layer.linear");
-    out.push(whole(m, b, "proj_out".into(), h, config.out_channels));
-    // BFL: (shift, scale); diffusers' norm_out: (scale, shift).
-    out.push(LinearKeys {
-        module: "final_layer.ada_ln_modulation".into(),
-        bfl: "final_layer.adaLN_modulation.1".into(),
-        diffusers: vec![
-            RowSlice {
-                target: "norm_out.linear".into(),
-                len: 2 * h,
-                rows: h..2 * h,
-                to: 0,
-            },
-            RowSlice {
-                target: "norm_out.linear".into(),
-                len: 2 * h,
-                rows: 0..h,
-                to: h,
-            },
-        ],
-        d_input: h,
-        d_output: 2 * h,
-    });
+    out.extend(final_layer_keys(h, config.out_channels));
     out
+}
+
+/// The Linears of double block `i` of width `h`: per stream, the modulation (FLUX.1's blocks
+/// own theirs, `with_modulation`), the fused `qkv`, the attention output and the MLP, whose
+/// expansion has `mlp[0]` outputs and contraction `mlp[1]` inputs; `mlp_names` are the
+/// diffusers names of the two MLP layers inside `ff` / `ff_context`.
+pub(crate) fn double_block_keys(
+    i: usize,
+    h: usize,
+    mlp: [usize; 2],
+    mlp_names: [&str; 2],
+    with_modulation: bool,
+) -> Vec<LinearKeys> {
+    let p = format!("double_blocks.{i}");
+    let d = format!("transformer_blocks.{i}");
+    let mut out = Vec::new();
+    for (stream, norm, attn_out, ff, qkv) in [
+        (
+            "img",
+            "norm1",
+            "attn.to_out.0",
+            "ff",
+            ["to_q", "to_k", "to_v"],
+        ),
+        (
+            "txt",
+            "norm1_context",
+            "attn.to_add_out",
+            "ff_context",
+            ["add_q_proj", "add_k_proj", "add_v_proj"],
+        ),
+    ] {
+        let bfl = |name: &str| format!("{p}.{stream}_{name}");
+        if with_modulation {
+            out.push(whole(
+                bfl("mod.lin"),
+                bfl("mod.lin"),
+                format!("{d}.{norm}.linear"),
+                h,
+                6 * h,
+            ));
+        }
+        let qkv = qkv.map(|n| format!("{d}.attn.{n}"));
+        out.push(stacked(
+            bfl("attn.qkv"),
+            bfl("attn.qkv"),
+            qkv.iter().map(|n| (n.as_str(), h)),
+            h,
+        ));
+        out.push(whole(
+            bfl("attn.proj"),
+            bfl("attn.proj"),
+            format!("{d}.{attn_out}"),
+            h,
+            h,
+        ));
+        out.push(whole(
+            bfl("mlp.lin1"),
+            bfl("mlp.0"),
+            format!("{d}.{ff}.{}", mlp_names[0]),
+            h,
+            mlp[0],
+        ));
+        out.push(whole(
+            bfl("mlp.lin2"),
+            bfl("mlp.2"),
+            format!("{d}.{ff}.{}", mlp_names[1]),
+            mlp[1],
+            h,
+        ));
+    }
+    out
+}
+
+/// The output layer's two Linears; BFL stores the modulation as `(shift, scale)`, diffusers'
+/// `norm_out` as `(scale, shift)`.
+pub(crate) fn final_layer_keys(h: usize, out_channels: usize) -> [LinearKeys; 2] {
+    let linear = "final_layer.linear".to_string();
+    [
+        whole(linear.clone(), linear, "proj_out".into(), h, out_channels),
+        LinearKeys {
+            module: "final_layer.ada_ln_modulation".into(),
+            bfl: "final_layer.adaLN_modulation.1".into(),
+            diffusers: vec![
+                RowSlice {
+                    target: "norm_out.linear".into(),
+                    len: 2 * h,
+                    rows: h..2 * h,
+                    to: 0,
+                },
+                RowSlice {
+                    target: "norm_out.linear".into(),
+                    len: 2 * h,
+                    rows: 0..h,
+                    to: h,
+                },
+            ],
+            d_input: h,
+            d_output: 2 * h,
+        },
+    ]
 }
 
 /// The names of every adapted layer of a model of this configuration in each LoRA file
@@ -184,7 +227,13 @@ pub fn linear_keys(config: &FluxConfig) -> Vec<LinearKeys> {
 /// projections and the final modulation's halves swap. Built from [`linear_keys`], the table
 /// that loads checkpoints.
 pub fn lora_names(config: &FluxConfig) -> LayoutNames {
-    let (checkpoint, diffusers) = linear_keys(config).into_iter().fold(
+    layout_names(linear_keys(config))
+}
+
+/// The LoRA names of the layers `keys` describes: BFL module paths as the checkpoint names,
+/// diffusers paths (renamed, or split by rows) under `transformer.`.
+pub(crate) fn layout_names(keys: Vec<LinearKeys>) -> LayoutNames {
+    let (checkpoint, diffusers) = keys.into_iter().fold(
         (NameMap::new(), NameMap::new()),
         |(checkpoint, diffusers), keys| {
             let diffusers = match keys.diffusers.as_slice() {
@@ -204,7 +253,7 @@ pub fn lora_names(config: &FluxConfig) -> LayoutNames {
 }
 
 /// A layer that is one diffusers layer, whole.
-fn whole(
+pub(crate) fn whole(
     module: String,
     bfl: String,
     diffusers: String,
@@ -226,7 +275,7 @@ fn whole(
 }
 
 /// A layer made of whole diffusers layers stacked along the output rows.
-fn stacked<'a>(
+pub(crate) fn stacked<'a>(
     module: String,
     bfl: String,
     parts: impl Iterator<Item = (&'a str, usize)>,
@@ -256,7 +305,12 @@ fn stacked<'a>(
 
 /// Every RMS-norm scale of a model of this configuration.
 pub(crate) fn vector_keys(config: &FluxConfig) -> Vec<VectorKeys> {
-    let len = config.head_dim();
+    norm_keys(config.depth, config.depth_single_blocks, config.head_dim())
+}
+
+/// The queries' and keys' RMS-norm scales of `double` double and `single` single blocks with
+/// heads of `len`: the same names in FLUX.1 and FLUX.2.
+pub(crate) fn norm_keys(double: usize, single: usize, len: usize) -> Vec<VectorKeys> {
     let mut out = Vec::new();
     let mut push = |module: String, diffusers: String| {
         out.push(VectorKeys {
@@ -265,29 +319,23 @@ pub(crate) fn vector_keys(config: &FluxConfig) -> Vec<VectorKeys> {
             len,
         })
     };
-    for i in 0..config.depth {
+    for i in 0..double {
         let (p, d) = (
             format!("double_blocks.{i}"),
             format!("transformer_blocks.{i}.attn"),
         );
-        push(
-            format!("{p}.img_attn.norm.query_norm.scale"),
-            format!("{d}.norm_q.weight"),
-        );
-        push(
-            format!("{p}.img_attn.norm.key_norm.scale"),
-            format!("{d}.norm_k.weight"),
-        );
-        push(
-            format!("{p}.txt_attn.norm.query_norm.scale"),
-            format!("{d}.norm_added_q.weight"),
-        );
-        push(
-            format!("{p}.txt_attn.norm.key_norm.scale"),
-            format!("{d}.norm_added_k.weight"),
-        );
+        for (stream, added) in [("img", ""), ("txt", "added_")] {
+            push(
+                format!("{p}.{stream}_attn.norm.query_norm.scale"),
+                format!("{d}.norm_{added}q.weight"),
+            );
+            push(
+                format!("{p}.{stream}_attn.norm.key_norm.scale"),
+                format!("{d}.norm_{added}k.weight"),
+            );
+        }
     }
-    for i in 0..config.depth_single_blocks {
+    for i in 0..single {
         let (p, d) = (
             format!("single_blocks.{i}"),
             format!("single_transformer_blocks.{i}.attn"),

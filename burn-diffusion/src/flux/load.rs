@@ -39,13 +39,125 @@ pub enum Layout {
     Diffusers,
 }
 
-/// An opened FLUX.1 checkpoint: its files, layout and configuration.
-pub struct FluxCheckpoint {
-    path: PathBuf,
-    layout: Layout,
-    config: FluxConfig,
+/// The files of a FLUX transformer (FLUX.1 or FLUX.2): a BFL single file or a diffusers
+/// folder, the prefix of its keys, and how every parameter of a model is read from them
+/// through the model's key tables.
+pub(crate) struct TransformerFiles {
+    /// The file, or the folder holding `config.json`.
+    pub path: PathBuf,
+    pub layout: Layout,
     prefix: &'static str,
     files: Checkpoint,
+}
+
+impl TransformerFiles {
+    /// Opens a BFL-layout `.safetensors` file (keys possibly under `model.diffusion_model.`),
+    /// recognised by its key `marker` (a BFL key every such model has), or a diffusers folder:
+    /// a pipeline folder with `transformer/`, or the `transformer` folder itself (`config.json`
+    /// and one safetensors file or a shard index). `model` names the model in errors.
+    pub fn open(path: &Path, marker: &str, model: &str) -> Result<Self, LoadError> {
+        if path.is_dir() {
+            let folder = [path.join("transformer"), path.to_path_buf()]
+                .into_iter()
+                .find(|f| f.join("config.json").is_file())
+                .ok_or_else(|| LoadError::UnknownLayout {
+                    path: path.to_path_buf(),
+                })?;
+            let files = Checkpoint::open(&folder)?;
+            return Ok(Self {
+                path: folder,
+                layout: Layout::Diffusers,
+                prefix: "",
+                files,
+            });
+        }
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            return Err(LoadError::UnknownLayout {
+                path: path.to_path_buf(),
+            });
+        }
+        let files = Checkpoint::open(path)?;
+        let prefix = if files.get(&format!("{COMFY_PREFIX}{marker}")).is_some() {
+            COMFY_PREFIX
+        } else {
+            ""
+        };
+        if prefix.is_empty() && files.get(marker).is_none() {
+            let message = if files.get("x_embedder.weight").is_some() {
+                "diffusers-layout weights: open the folder that holds them with config.json"
+                    .to_string()
+            } else {
+                format!("not a {model} transformer: `{marker}` is missing")
+            };
+            return Err(LoadError::Config {
+                file: path.to_path_buf(),
+                message,
+            });
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            layout: Layout::Bfl,
+            prefix,
+            files,
+        })
+    }
+
+    /// The diffusers `config.json` (for the diffusers layout).
+    pub fn config_json(&self) -> PathBuf {
+        self.path.join("config.json")
+    }
+
+    /// The keys of a BFL file without their prefix.
+    pub fn bfl_keys(&self) -> impl Iterator<Item = &str> {
+        self.files
+            .tensors()
+            .filter_map(|t| t.name.strip_prefix(self.prefix))
+    }
+
+    /// The shape of the BFL key `key` (without prefix), if present.
+    pub fn shape(&self, key: &str) -> Option<Vec<usize>> {
+        self.files
+            .get(&format!("{}{key}", self.prefix))
+            .map(|t| t.shape.to_vec())
+    }
+
+    /// Fills every parameter of `model` (whose Linears and norm scales `linears` and `vectors`
+    /// name) in `dtype` on `device`, weight matrices handed to `place` when given.
+    ///
+    /// Every missing, unexpected or mis-shaped key is collected and reported in one
+    /// [`LoadError::Keys`]. In a ComfyUI all-in-one file, keys outside
+    /// `model.diffusion_model.` (VAE, text encoders) are ignored.
+    pub fn load<B: Kernels, M: Module<B>>(
+        &self,
+        model: M,
+        linears: &[LinearKeys],
+        vectors: &[VectorKeys],
+        device: &B::Device,
+        dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
+    ) -> Result<M, LoadError> {
+        let mut loader = Loader::<B> {
+            source: self,
+            device: device.clone(),
+            dtype,
+            place,
+            linears: linears.iter().map(|k| (k.module.as_str(), k)).collect(),
+            vectors: vectors.iter().map(|k| (k.module.as_str(), k)).collect(),
+            path: Vec::new(),
+            used: HashSet::new(),
+            report: KeyReport::default(),
+            failure: None,
+        };
+        let model = model.map(&mut loader);
+        loader.finish()?;
+        Ok(model)
+    }
+}
+
+/// An opened FLUX.1 checkpoint: its files, layout and configuration.
+pub struct FluxCheckpoint {
+    files: TransformerFiles,
+    config: FluxConfig,
 }
 
 impl FluxCheckpoint {
@@ -57,63 +169,19 @@ impl FluxCheckpoint {
     /// The configuration comes from `config.json`, or is inferred from a BFL file's keys
     /// ([`FluxConfig::from_bfl_keys`]).
     pub fn open(path: &Path) -> Result<Self, LoadError> {
-        if path.is_dir() {
-            let folder = [path.join("transformer"), path.to_path_buf()]
-                .into_iter()
-                .find(|f| f.join("config.json").is_file())
-                .ok_or_else(|| LoadError::UnknownLayout {
-                    path: path.to_path_buf(),
-                })?;
-            let config = FluxConfig::from_diffusers_json(&folder.join("config.json"))?;
-            let files = Checkpoint::open(&folder)?;
-            return Ok(Self {
-                path: folder,
-                layout: Layout::Diffusers,
-                config,
-                prefix: "",
-                files,
-            });
-        }
-        if path.extension().is_none_or(|e| e != "safetensors") {
-            return Err(LoadError::UnknownLayout {
-                path: path.to_path_buf(),
-            });
-        }
-        let files = Checkpoint::open(path)?;
-        let prefix = if files.get(&format!("{COMFY_PREFIX}img_in.weight")).is_some() {
-            COMFY_PREFIX
-        } else {
-            ""
+        let files = TransformerFiles::open(path, "img_in.weight", "FLUX.1")?;
+        let config = match files.layout {
+            Layout::Diffusers => FluxConfig::from_diffusers_json(&files.config_json())?,
+            Layout::Bfl => {
+                FluxConfig::from_bfl_keys(path, files.bfl_keys(), |key| files.shape(key))?
+            }
         };
-        if prefix.is_empty() && files.get("img_in.weight").is_none() {
-            let message = if files.get("x_embedder.weight").is_some() {
-                "diffusers-layout weights: open the folder that holds them with config.json"
-            } else {
-                "not a FLUX.1 transformer: `img_in.weight` is missing"
-            };
-            return Err(LoadError::Config {
-                file: path.to_path_buf(),
-                message: message.into(),
-            });
-        }
-        let keys = files.tensors().filter_map(|t| t.name.strip_prefix(prefix));
-        let config = FluxConfig::from_bfl_keys(path, keys, |key| {
-            files
-                .get(&format!("{prefix}{key}"))
-                .map(|t| t.shape.to_vec())
-        })?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            layout: Layout::Bfl,
-            config,
-            prefix,
-            files,
-        })
+        Ok(Self { files, config })
     }
 
     /// The key layout.
     pub fn layout(&self) -> Layout {
-        self.layout
+        self.files.layout
     }
 
     /// The model's configuration.
@@ -154,23 +222,14 @@ impl FluxCheckpoint {
         dtype: FloatDType,
         place: Option<&mut PlaceWeight<'_, B>>,
     ) -> Result<Flux<B>, LoadError> {
-        let linears = linear_keys(&self.config);
-        let vectors = vector_keys(&self.config);
-        let mut loader = Loader::<B> {
-            source: self,
-            device: device.clone(),
+        self.files.load(
+            self.config.init::<B>(device),
+            &linear_keys(&self.config),
+            &vector_keys(&self.config),
+            device,
             dtype,
             place,
-            linears: linears.iter().map(|k| (k.module.as_str(), k)).collect(),
-            vectors: vectors.iter().map(|k| (k.module.as_str(), k)).collect(),
-            path: Vec::new(),
-            used: HashSet::new(),
-            report: KeyReport::default(),
-            failure: None,
-        };
-        let model = self.config.init::<B>(device).map(&mut loader);
-        loader.finish()?;
-        Ok(model)
+        )
     }
 }
 
@@ -192,7 +251,7 @@ struct Piece {
 
 /// Fills each parameter from the checkpoint as the model's parameters are visited.
 struct Loader<'a, 'p, 'q, B: Backend> {
-    source: &'a FluxCheckpoint,
+    source: &'a TransformerFiles,
     device: B::Device,
     dtype: FloatDType,
     /// Where weight matrices go instead of the device, if anywhere.

@@ -9,10 +9,15 @@ mod run;
 
 pub use config::FluxConfig;
 pub use keys::{LinearKeys, linear_keys, lora_names};
-pub(crate) use load::read_f32;
-pub use load::{FluxCheckpoint, Layout};
-pub use model::{
-    DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpEmbedder, ModulationLinear, QkNorm,
-    RmsNorm, SelfAttention, SingleStreamBlock,
+pub(crate) use keys::{
+    VectorKeys, double_block_keys, final_layer_keys, layout_names, norm_keys, whole,
 };
+pub use load::{FluxCheckpoint, Layout};
+pub(crate) use load::{TransformerFiles, read_f32};
+pub use model::{
+    DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpActivation, MlpEmbedder,
+    ModulationLinear, QkNorm, RmsNorm, SelfAttention, SingleStreamBlock,
+};
+pub(crate) use model::{Parallel, Stream, TIME_DIM, TIME_FACTOR, double_stream, linear, rope, two};
 pub use run::forward_file;
+pub(crate) use run::{InputFile, write_output};

@@ -20,9 +20,9 @@ use crate::checkpointing::{BlockRunner, Direct};
 /// Epsilon of every layer norm and RMS norm of FLUX.
 const EPS: f64 = 1e-6;
 /// Width of the sinusoidal timestep and guidance embeddings.
-const TIME_DIM: usize = 256;
+pub(crate) const TIME_DIM: usize = 256;
 /// Timesteps and guidance strengths are multiplied by this before their embedding.
-const TIME_FACTOR: f64 = 1000.0;
+pub(crate) const TIME_FACTOR: f64 = 1000.0;
 
 /// The FLUX.1 transformer (dev or schnell, or any size of the same shape).
 ///
@@ -82,22 +82,20 @@ impl FluxConfig {
         }
         let h = self.hidden_size;
         Flux {
-            img_in: LinearConfig::new(self.in_channels, h).init(device).into(),
-            time_in: MlpEmbedder::new(TIME_DIM, h, device),
-            vector_in: MlpEmbedder::new(self.vec_in_dim, h, device),
+            img_in: linear(self.in_channels, h, true, device),
+            time_in: MlpEmbedder::new(TIME_DIM, h, true, device),
+            vector_in: MlpEmbedder::new(self.vec_in_dim, h, true, device),
             guidance_in: self
                 .guidance_embed
-                .then(|| MlpEmbedder::new(TIME_DIM, h, device)),
-            txt_in: LinearConfig::new(self.context_in_dim, h)
-                .init(device)
-                .into(),
+                .then(|| MlpEmbedder::new(TIME_DIM, h, true, device)),
+            txt_in: linear(self.context_in_dim, h, true, device),
             double_blocks: (0..self.depth)
                 .map(|_| DoubleStreamBlock::new(self, device))
                 .collect(),
             single_blocks: (0..self.depth_single_blocks)
                 .map(|_| SingleStreamBlock::new(self, device))
                 .collect(),
-            final_layer: LastLayer::new(h, self.out_channels, device),
+            final_layer: LastLayer::new(h, self.out_channels, true, device),
             config: self.clone(),
         }
     }
@@ -139,7 +137,13 @@ impl<B: Kernels> Flux<B> {
         }
         let vec = vec + self.vector_in.forward(input.y);
         let txt = self.txt_in.forward(input.txt);
-        let pe = self.rope(&input.txt_ids, &input.img_ids, &img.device());
+        let pe = rope(
+            &input.txt_ids,
+            &input.img_ids,
+            &self.config.axes_dim,
+            self.config.theta,
+            &img.device(),
+        );
 
         let (mut img, mut txt, vec) = runner.input((img, txt, vec));
         for block in &self.double_blocks {
@@ -156,21 +160,30 @@ impl<B: Kernels> Flux<B> {
         }
         self.final_layer.forward(img, vec)
     }
+}
 
-    /// Rotary tables for the joint sequence, text tokens first.
-    fn rope(&self, txt_ids: &TensorData, img_ids: &TensorData, device: &B::Device) -> Rope<B> {
-        let axes = self.config.axes_dim.len();
-        let mut positions = Vec::new();
-        for ids in [txt_ids, img_ids] {
-            assert!(
-                ids.shape.len() == 2 && ids.shape[1] == axes,
-                "position ids must be [tokens, {axes}], got {:?}",
-                ids.shape
-            );
-            positions.extend(ids.iter::<f64>());
-        }
-        Rope::new(&positions, &self.config.axes_dim, self.config.theta, device)
+/// Rotary tables for the joint sequence, text tokens first, from position ids `[tokens, axes]`.
+///
+/// # Panics
+/// If the ids do not have one column per rotary axis.
+pub(crate) fn rope<B: Kernels>(
+    txt_ids: &TensorData,
+    img_ids: &TensorData,
+    axes_dim: &[usize],
+    theta: f64,
+    device: &B::Device,
+) -> Rope<B> {
+    let axes = axes_dim.len();
+    let mut positions = Vec::new();
+    for ids in [txt_ids, img_ids] {
+        assert!(
+            ids.shape.len() == 2 && ids.shape[1] == axes,
+            "position ids must be [tokens, {axes}], got {:?}",
+            ids.shape
+        );
+        positions.extend(ids.iter::<f64>());
     }
+    Rope::new(&positions, axes_dim, theta, device)
 }
 
 /// `out_layer(silu(in_layer(x)))`: the timestep, guidance and pooled-text embedders.
@@ -183,10 +196,10 @@ pub struct MlpEmbedder<B: Backend> {
 }
 
 impl<B: Kernels> MlpEmbedder<B> {
-    fn new(d_input: usize, hidden: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(d_input: usize, hidden: usize, bias: bool, device: &B::Device) -> Self {
         Self {
-            in_layer: LinearConfig::new(d_input, hidden).init(device).into(),
-            out_layer: LinearConfig::new(hidden, hidden).init(device).into(),
+            in_layer: linear(d_input, hidden, bias, device),
+            out_layer: linear(hidden, hidden, bias, device),
         }
     }
 
@@ -206,17 +219,20 @@ pub struct ModulationLinear<B: Backend> {
 }
 
 impl<B: Kernels> ModulationLinear<B> {
-    fn new(hidden: usize, sets: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(hidden: usize, sets: usize, bias: bool, device: &B::Device) -> Self {
         Self {
-            lin: LinearConfig::new(hidden, 3 * sets * hidden)
-                .init(device)
-                .into(),
+            lin: linear(hidden, 3 * sets * hidden, bias, device),
             sets,
         }
     }
 
+    /// `lin(silu(vec))`, `[batch, 3 · sets · hidden]`, before it is split into sets.
+    pub(crate) fn project(&self, vec: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.lin.forward(silu(vec))
+    }
+
     fn forward(&self, vec: Tensor<B, 2>) -> Vec<Modulation<B>> {
-        Modulation::split(self.lin.forward(silu(vec)), self.sets)
+        Modulation::split(self.project(vec), self.sets)
     }
 }
 
@@ -245,7 +261,7 @@ pub struct QkNorm<B: Backend> {
 }
 
 impl<B: Kernels> QkNorm<B> {
-    fn new(head_dim: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(head_dim: usize, device: &B::Device) -> Self {
         Self {
             query_norm: RmsNorm::new(head_dim, device),
             key_norm: RmsNorm::new(head_dim, device),
@@ -254,7 +270,7 @@ impl<B: Kernels> QkNorm<B> {
 
     /// `[batch, tokens, 3 · heads · head_dim]` → q, k, v as `[batch, heads, tokens, head_dim]`,
     /// q and k normalized and turned by the rotary embedding `pe` of these tokens.
-    fn heads(&self, qkv: Tensor<B, 3>, heads: usize, pe: &Rope<B>) -> [Tensor<B, 4>; 3] {
+    pub(crate) fn heads(&self, qkv: Tensor<B, 3>, heads: usize, pe: &Rope<B>) -> [Tensor<B, 4>; 3] {
         let [b, l, width] = qkv.dims();
         let head_dim = width / 3 / heads;
         let qkv = qkv.reshape([b, l, 3, heads, head_dim]);
@@ -284,34 +300,73 @@ pub struct SelfAttention<B: Backend> {
 }
 
 impl<B: Kernels> SelfAttention<B> {
-    fn new(hidden: usize, head_dim: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(hidden: usize, head_dim: usize, bias: bool, device: &B::Device) -> Self {
         Self {
-            qkv: LinearConfig::new(hidden, 3 * hidden).init(device).into(),
+            qkv: linear(hidden, 3 * hidden, bias, device),
             norm: QkNorm::new(head_dim, device),
-            proj: LinearConfig::new(hidden, hidden).init(device).into(),
+            proj: linear(hidden, hidden, bias, device),
         }
     }
 }
 
-/// `lin2(gelu_tanh(lin1(x)))`.
+/// The activation between the two projections of an MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpActivation {
+    /// GELU with the tanh approximation (FLUX.1).
+    GeluTanh,
+    /// SwiGLU: the expansion is twice as wide, `silu(first half) · second half` (FLUX.2).
+    SwiGlu,
+}
+
+impl MlpActivation {
+    /// How many times wider the expansion's output is than the contraction's input.
+    pub fn expansion(self) -> usize {
+        match self {
+            MlpActivation::GeluTanh => 1,
+            MlpActivation::SwiGlu => 2,
+        }
+    }
+
+    /// Applies the activation to an expansion's output.
+    pub fn apply<B: Kernels>(self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        match self {
+            MlpActivation::GeluTanh => gelu_tanh(x),
+            MlpActivation::SwiGlu => {
+                let [gate, value] = x.chunk(2, 2).try_into().expect("two halves");
+                silu(gate) * value
+            }
+        }
+    }
+}
+
+/// `lin2(activation(lin1(x)))`.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     /// Expansion (BFL key `0`).
     pub lin1: LoraLinear<B>,
     /// Contraction (BFL key `2`).
     pub lin2: LoraLinear<B>,
+    activation: MlpActivation,
 }
 
 impl<B: Kernels> Mlp<B> {
-    fn new(hidden: usize, mlp_hidden: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(
+        hidden: usize,
+        mlp_hidden: usize,
+        activation: MlpActivation,
+        bias: bool,
+        device: &B::Device,
+    ) -> Self {
         Self {
-            lin1: LinearConfig::new(hidden, mlp_hidden).init(device).into(),
-            lin2: LinearConfig::new(mlp_hidden, hidden).init(device).into(),
+            lin1: linear(hidden, activation.expansion() * mlp_hidden, bias, device),
+            lin2: linear(mlp_hidden, hidden, bias, device),
+            activation,
         }
     }
 
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.lin2.forward(gelu_tanh(self.lin1.forward(x)))
+        self.lin2
+            .forward(self.activation.apply(self.lin1.forward(x)))
     }
 }
 
@@ -335,14 +390,19 @@ pub struct DoubleStreamBlock<B: Backend> {
 
 impl<B: Kernels> DoubleStreamBlock<B> {
     fn new(config: &FluxConfig, device: &B::Device) -> Self {
-        let (h, d) = (config.hidden_size, config.head_dim());
+        let (h, d, mlp) = (
+            config.hidden_size,
+            config.head_dim(),
+            config.mlp_hidden_dim(),
+        );
+        let mlp = || Mlp::new(h, mlp, MlpActivation::GeluTanh, true, device);
         Self {
-            img_mod: ModulationLinear::new(h, 2, device),
-            img_attn: SelfAttention::new(h, d, device),
-            img_mlp: Mlp::new(h, config.mlp_hidden_dim(), device),
-            txt_mod: ModulationLinear::new(h, 2, device),
-            txt_attn: SelfAttention::new(h, d, device),
-            txt_mlp: Mlp::new(h, config.mlp_hidden_dim(), device),
+            img_mod: ModulationLinear::new(h, 2, true, device),
+            img_attn: SelfAttention::new(h, d, true, device),
+            img_mlp: mlp(),
+            txt_mod: ModulationLinear::new(h, 2, true, device),
+            txt_attn: SelfAttention::new(h, d, true, device),
+            txt_mlp: mlp(),
             num_heads: config.num_heads,
         }
     }
@@ -358,44 +418,60 @@ impl<B: Kernels> DoubleStreamBlock<B> {
         vec: Tensor<B, 2>,
         pe: &Rope<B>,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let [img_mod1, img_mod2] = two(self.img_mod.forward(vec.clone()));
-        let [txt_mod1, txt_mod2] = two(self.txt_mod.forward(vec));
-        let heads = self.num_heads;
-        let img_qkv = self
-            .img_attn
-            .qkv
-            .forward(img_mod1.scale_shift(layer_norm(img.clone(), EPS)));
-        let txt_qkv = self
-            .txt_attn
-            .qkv
-            .forward(txt_mod1.scale_shift(layer_norm(txt.clone(), EPS)));
-        let (txt_len, img_len) = (txt.dims()[1], img.dims()[1]);
-        let (txt_pe, img_pe) = (pe.narrow(0, txt_len), pe.narrow(txt_len, img_len));
-        let [img_q, img_k, img_v] = self.img_attn.norm.heads(img_qkv, heads, &img_pe);
-        let [txt_q, txt_k, txt_v] = self.txt_attn.norm.heads(txt_qkv, heads, &txt_pe);
-        let attn = attention(
-            Tensor::cat(vec![txt_q, img_q], 2),
-            Tensor::cat(vec![txt_k, img_k], 2),
-            Tensor::cat(vec![txt_v, img_v], 2),
-        );
-        let txt_attn = attn.clone().narrow(1, 0, txt_len);
-        let img_attn = attn.narrow(1, txt_len, img_len);
-        let img = residuals(
-            img,
-            img_attn,
-            &self.img_attn,
-            &self.img_mlp,
-            [img_mod1, img_mod2],
-        );
-        let txt = residuals(
-            txt,
-            txt_attn,
-            &self.txt_attn,
-            &self.txt_mlp,
-            [txt_mod1, txt_mod2],
-        );
-        (img, txt)
+        let img_stream = Stream {
+            attn: &self.img_attn,
+            mlp: &self.img_mlp,
+            modulation: two(self.img_mod.forward(vec.clone())),
+        };
+        let txt_stream = Stream {
+            attn: &self.txt_attn,
+            mlp: &self.txt_mlp,
+            modulation: two(self.txt_mod.forward(vec)),
+        };
+        double_stream(img, txt, img_stream, txt_stream, self.num_heads, pe)
     }
+}
+
+/// The weights and modulation of one stream of a double-stream block.
+pub(crate) struct Stream<'a, B: Backend> {
+    pub attn: &'a SelfAttention<B>,
+    pub mlp: &'a Mlp<B>,
+    /// Attention, then MLP.
+    pub modulation: [Modulation<B>; 2],
+}
+
+/// A double-stream block's computation: each stream normalized, modulated and projected to
+/// q, k, v; joint attention over `[txt; img]`; then each stream's two residual updates.
+pub(crate) fn double_stream<B: Kernels>(
+    img: Tensor<B, 3>,
+    txt: Tensor<B, 3>,
+    img_stream: Stream<'_, B>,
+    txt_stream: Stream<'_, B>,
+    heads: usize,
+    pe: &Rope<B>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let (txt_len, img_len) = (txt.dims()[1], img.dims()[1]);
+    let (txt_pe, img_pe) = (pe.narrow(0, txt_len), pe.narrow(txt_len, img_len));
+    let qkv = |x: &Tensor<B, 3>, stream: &Stream<'_, B>, pe: &Rope<B>| {
+        let projected = stream
+            .attn
+            .qkv
+            .forward(stream.modulation[0].scale_shift(layer_norm(x.clone(), EPS)));
+        stream.attn.norm.heads(projected, heads, pe)
+    };
+    let [img_q, img_k, img_v] = qkv(&img, &img_stream, &img_pe);
+    let [txt_q, txt_k, txt_v] = qkv(&txt, &txt_stream, &txt_pe);
+    let attn = attention(
+        Tensor::cat(vec![txt_q, img_q], 2),
+        Tensor::cat(vec![txt_k, img_k], 2),
+        Tensor::cat(vec![txt_v, img_v], 2),
+    );
+    let txt_attn = attn.clone().narrow(1, 0, txt_len);
+    let img_attn = attn.narrow(1, txt_len, img_len);
+    (
+        residuals(img, img_attn, img_stream),
+        residuals(txt, txt_attn, txt_stream),
+    )
 }
 
 /// A block over the joint sequence, with attention and MLP in parallel.
@@ -416,10 +492,10 @@ impl<B: Kernels> SingleStreamBlock<B> {
     fn new(config: &FluxConfig, device: &B::Device) -> Self {
         let (h, mlp) = (config.hidden_size, config.mlp_hidden_dim());
         Self {
-            linear1: LinearConfig::new(h, 3 * h + mlp).init(device).into(),
-            linear2: LinearConfig::new(h + mlp, h).init(device).into(),
+            linear1: linear(h, 3 * h + mlp, true, device),
+            linear2: linear(h + mlp, h, true, device),
             norm: QkNorm::new(config.head_dim(), device),
-            modulation: ModulationLinear::new(h, 1, device),
+            modulation: ModulationLinear::new(h, 1, true, device),
             num_heads: config.num_heads,
         }
     }
@@ -436,28 +512,59 @@ impl<B: Kernels> SingleStreamBlock<B> {
         vec: Tensor<B, 2>,
         pe: &Rope<B>,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let txt_len = txt.dims()[1];
-        let img_len = img.dims()[1];
-        let x = Tensor::cat(vec![txt, img], 1);
         let [modulation] = self
             .modulation
             .forward(vec)
             .try_into()
             .expect("one modulation set");
+        let parallel = Parallel {
+            linear1: &self.linear1,
+            linear2: &self.linear2,
+            norm: &self.norm,
+            activation: MlpActivation::GeluTanh,
+            heads: self.num_heads,
+        };
+        parallel.forward(img, txt, modulation, pe)
+    }
+}
+
+/// The weights of a single-stream block: attention and MLP side by side.
+pub(crate) struct Parallel<'a, B: Backend> {
+    pub linear1: &'a LoraLinear<B>,
+    pub linear2: &'a LoraLinear<B>,
+    pub norm: &'a QkNorm<B>,
+    pub activation: MlpActivation,
+    pub heads: usize,
+}
+
+impl<B: Kernels> Parallel<'_, B> {
+    /// On `[txt; img]`: `linear1` gives q, k, v and the MLP's expansion, `linear2` takes the
+    /// attention output beside the activated expansion; one gated residual update. Returns
+    /// `(img, txt)`.
+    pub fn forward(
+        &self,
+        img: Tensor<B, 3>,
+        txt: Tensor<B, 3>,
+        modulation: Modulation<B>,
+        pe: &Rope<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let txt_len = txt.dims()[1];
+        let img_len = img.dims()[1];
+        let x = Tensor::cat(vec![txt, img], 1);
         let hidden = x.dims()[2];
         let projected = self
             .linear1
             .forward(modulation.scale_shift(layer_norm(x.clone(), EPS)));
-        let mlp_hidden = projected.dims()[2] - 3 * hidden;
+        let mlp_width = projected.dims()[2] - 3 * hidden;
         let [qkv, mlp] = projected
-            .split_with_sizes(vec![3 * hidden, mlp_hidden], 2)
+            .split_with_sizes(vec![3 * hidden, mlp_width], 2)
             .try_into()
             .expect("two parts");
-        let [q, k, v] = self.norm.heads(qkv, self.num_heads, pe);
+        let [q, k, v] = self.norm.heads(qkv, self.heads, pe);
         let attn = attention(q, k, v);
         let out = self
             .linear2
-            .forward(Tensor::cat(vec![attn, gelu_tanh(mlp)], 2));
+            .forward(Tensor::cat(vec![attn, self.activation.apply(mlp)], 2));
         let x = x + modulation.gate(out);
         (
             x.clone().narrow(1, txt_len, img_len),
@@ -476,10 +583,10 @@ pub struct LastLayer<B: Backend> {
 }
 
 impl<B: Kernels> LastLayer<B> {
-    fn new(hidden: usize, out_channels: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(hidden: usize, out_channels: usize, bias: bool, device: &B::Device) -> Self {
         Self {
-            linear: LinearConfig::new(hidden, out_channels).init(device).into(),
-            ada_ln_modulation: LinearConfig::new(hidden, 2 * hidden).init(device).into(),
+            linear: linear(hidden, out_channels, bias, device),
+            ada_ln_modulation: linear(hidden, 2 * hidden, bias, device),
         }
     }
 
@@ -499,16 +606,28 @@ impl<B: Kernels> LastLayer<B> {
     }
 }
 
+/// A projection, with or without bias, as a plain layer until an adapter is attached.
+pub(crate) fn linear<B: Kernels>(
+    d_input: usize,
+    d_output: usize,
+    bias: bool,
+    device: &B::Device,
+) -> LoraLinear<B> {
+    LinearConfig::new(d_input, d_output)
+        .with_bias(bias)
+        .init(device)
+        .into()
+}
+
 /// The two residual updates of one stream of a double block: attention output, then MLP.
 fn residuals<B: Kernels>(
     x: Tensor<B, 3>,
     attn_out: Tensor<B, 3>,
-    attn: &SelfAttention<B>,
-    mlp: &Mlp<B>,
-    [attn_mod, mlp_mod]: [Modulation<B>; 2],
+    stream: Stream<'_, B>,
 ) -> Tensor<B, 3> {
-    let x = x + attn_mod.gate(attn.proj.forward(attn_out));
-    x.clone() + mlp_mod.gate(mlp.forward(mlp_mod.scale_shift(layer_norm(x, EPS))))
+    let [attn_mod, mlp_mod] = stream.modulation;
+    let x = x + attn_mod.gate(stream.attn.proj.forward(attn_out));
+    x.clone() + mlp_mod.gate(stream.mlp.forward(mlp_mod.scale_shift(layer_norm(x, EPS))))
 }
 
 /// Attention of q and k already turned by the rotary embedding, heads merged:
@@ -519,6 +638,7 @@ fn attention<B: Kernels>(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> T
     out.swap_dims(1, 2).reshape([b, l, h * d])
 }
 
-fn two<B: Kernels>(sets: Vec<Modulation<B>>) -> [Modulation<B>; 2] {
+/// The two modulation sets of a double-stream block's stream.
+pub(crate) fn two<B: Kernels>(sets: Vec<Modulation<B>>) -> [Modulation<B>; 2] {
     sets.try_into().expect("two modulation sets")
 }

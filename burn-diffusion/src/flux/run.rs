@@ -3,7 +3,7 @@
 
 use burn_kernels::Kernels;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_quant::Checkpoint;
@@ -53,65 +53,23 @@ fn read_inputs<B: Kernels>(
     device: &B::Device,
     dtype: FloatDType,
 ) -> Result<FluxInput<B>, LoadError> {
-    let files = Checkpoint::open(file)?;
-    let error = |key: &str, message: String| LoadError::Input {
-        file: file.to_path_buf(),
-        key: key.to_string(),
-        message,
-    };
-    if let Some(extra) = files.tensors().find(|t| !KEYS.contains(&t.name)) {
-        return Err(error(
-            extra.name,
-            format!("not an input of the FLUX transformer (expected {KEYS:?})"),
-        ));
-    }
-    // Reads `key` and checks its shape against `expected` (`None` = any size).
-    let read =
-        |key: &str, expected: &[Option<usize>]| -> Result<(Vec<f32>, Vec<usize>), LoadError> {
-            let entry = files.get(key).ok_or_else(|| error(key, "missing".into()))?;
-            let fits = entry.shape.len() == expected.len()
-                && entry
-                    .shape
-                    .iter()
-                    .zip(expected)
-                    .all(|(s, e)| e.is_none_or(|e| e == *s));
-            if !fits {
-                let want: Vec<String> = expected
-                    .iter()
-                    .map(|e| e.map_or("_".to_string(), |e| e.to_string()))
-                    .collect();
-                return Err(error(
-                    key,
-                    format!("shape {:?}, expected [{}]", entry.shape, want.join(", ")),
-                ));
-            }
-            Ok((read_f32(&files, &entry)?, entry.shape.to_vec()))
-        };
-    let (img, img_shape) = read("hidden_states", &[None, None, Some(config.in_channels)])?;
+    let inputs = InputFile::open(file, &KEYS, "the FLUX transformer")?;
+    let (img, img_shape) = inputs.read("hidden_states", &[None, None, Some(config.in_channels)])?;
     let [batch, img_len] = [img_shape[0], img_shape[1]];
-    let (txt, txt_shape) = read(
+    let (txt, txt_shape) = inputs.read(
         "encoder_hidden_states",
         &[Some(batch), None, Some(config.context_in_dim)],
     )?;
     let txt_len = txt_shape[1];
-    let (y, _) = read(
+    let (y, _) = inputs.read(
         "pooled_projections",
         &[Some(batch), Some(config.vec_in_dim)],
     )?;
-    let (timesteps, _) = read("timestep", &[Some(batch)])?;
-    let guidance = match (config.guidance_embed, files.get("guidance").is_some()) {
-        (true, _) => Some(read("guidance", &[Some(batch)])?.0),
-        (false, false) => None,
-        (false, true) => {
-            return Err(error(
-                "guidance",
-                "this model has no guidance embedding".into(),
-            ));
-        }
-    };
+    let (timesteps, _) = inputs.read("timestep", &[Some(batch)])?;
+    let guidance = inputs.guidance(config.guidance_embed, batch)?;
     let axes = config.axes_dim.len();
-    let (img_ids, _) = read("img_ids", &[Some(img_len), Some(axes)])?;
-    let (txt_ids, _) = read("txt_ids", &[Some(txt_len), Some(axes)])?;
+    let (img_ids, _) = inputs.read("img_ids", &[Some(img_len), Some(axes)])?;
+    let (txt_ids, _) = inputs.read("txt_ids", &[Some(txt_len), Some(axes)])?;
 
     let options = (device, DType::from(dtype));
     let tensor3 =
@@ -128,8 +86,80 @@ fn read_inputs<B: Kernels>(
     })
 }
 
+/// A safetensors file of one forward pass's inputs, under a model's argument names.
+pub(crate) struct InputFile {
+    file: PathBuf,
+    files: Checkpoint,
+}
+
+impl InputFile {
+    /// Opens `file`, whose every key must be one of `allowed` (the inputs of `model`).
+    pub fn open(file: &Path, allowed: &[&str], model: &str) -> Result<Self, LoadError> {
+        let inputs = Self {
+            file: file.to_path_buf(),
+            files: Checkpoint::open(file)?,
+        };
+        if let Some(extra) = inputs.files.tensors().find(|t| !allowed.contains(&t.name)) {
+            return Err(inputs.error(
+                extra.name,
+                format!("not an input of {model} (expected {allowed:?})"),
+            ));
+        }
+        Ok(inputs)
+    }
+
+    fn error(&self, key: &str, message: String) -> LoadError {
+        LoadError::Input {
+            file: self.file.clone(),
+            key: key.to_string(),
+            message,
+        }
+    }
+
+    /// Reads `key` as f32 after checking its shape against `expected` (`None`: any size).
+    pub fn read(
+        &self,
+        key: &str,
+        expected: &[Option<usize>],
+    ) -> Result<(Vec<f32>, Vec<usize>), LoadError> {
+        let entry = self
+            .files
+            .get(key)
+            .ok_or_else(|| self.error(key, "missing".into()))?;
+        let fits = entry.shape.len() == expected.len()
+            && entry
+                .shape
+                .iter()
+                .zip(expected)
+                .all(|(s, e)| e.is_none_or(|e| e == *s));
+        if !fits {
+            let want: Vec<String> = expected
+                .iter()
+                .map(|e| e.map_or("_".to_string(), |e| e.to_string()))
+                .collect();
+            return Err(self.error(
+                key,
+                format!("shape {:?}, expected [{}]", entry.shape, want.join(", ")),
+            ));
+        }
+        Ok((read_f32(&self.files, &entry)?, entry.shape.to_vec()))
+    }
+
+    /// The `guidance` input `[batch]`: required when the model embeds guidance, refused when
+    /// it does not.
+    pub fn guidance(&self, embedded: bool, batch: usize) -> Result<Option<Vec<f32>>, LoadError> {
+        match (embedded, self.files.get("guidance").is_some()) {
+            (true, _) => Ok(Some(self.read("guidance", &[Some(batch)])?.0)),
+            (false, false) => Ok(None),
+            (false, true) => {
+                Err(self.error("guidance", "this model has no guidance embedding".into()))
+            }
+        }
+    }
+}
+
 /// Writes `data` as the tensor `output`, through a temporary file in the same folder.
-fn write_output(file: &Path, data: TensorData) -> Result<(), LoadError> {
+pub(crate) fn write_output(file: &Path, data: TensorData) -> Result<(), LoadError> {
     let write_error = |source| LoadError::Write {
         file: file.to_path_buf(),
         source,

@@ -39,6 +39,7 @@ mod error;
 pub mod flux;
 pub mod pipeline;
 pub mod t5;
+pub mod text_decoder;
 pub mod tokenize;
 pub mod vae;
 mod weights;

@@ -264,6 +264,14 @@ pub struct PromptTokens {
     pub attention_mask: Vec<Vec<u32>>,
 }
 
+/// [`PromptTokens`] as tensors, `[captions, length]` each.
+pub struct PromptTensors<B: Backend> {
+    /// Token ids.
+    pub input_ids: Tensor<B, 2, Int>,
+    /// 1 for a token of the prompt, 0 for padding.
+    pub attention_mask: Tensor<B, 2, Int>,
+}
+
 /// A tokenizer of FLUX.2's decoder prompts: each caption in the model's chat template (as
 /// `apply_chat_template` renders FLUX.2's messages), tokenized, truncated to a fixed length and
 /// padded on the side the tokenizer folder names, with the attention mask.
@@ -395,13 +403,16 @@ impl PromptTokenizer {
         &self,
         captions: &[&str],
         device: &B::Device,
-    ) -> Result<(Tensor<B, 2, Int>, Tensor<B, 2, Int>), LoadError> {
+    ) -> Result<PromptTensors<B>, LoadError> {
         let tokens = self.encode(captions)?;
         let tensor = |rows: &[Vec<u32>]| {
             let values: Vec<i64> = rows.iter().flatten().map(|&v| i64::from(v)).collect();
             Tensor::from_data(TensorData::new(values, [rows.len(), self.length]), device)
         };
-        Ok((tensor(&tokens.input_ids), tensor(&tokens.attention_mask)))
+        Ok(PromptTensors {
+            input_ids: tensor(&tokens.input_ids),
+            attention_mask: tensor(&tokens.attention_mask),
+        })
     }
 }
 

@@ -86,7 +86,7 @@ impl<B: Kernels> Rope<B> {
     /// If `head_dim` is odd.
     pub fn halves(tokens: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
         assert!(
-            head_dim % 2 == 0,
+            head_dim.is_multiple_of(2),
             "rope head width must be even, got {head_dim}"
         );
         let half = head_dim / 2;

@@ -36,8 +36,8 @@ pub fn encode_flux2_text<B: Kernels>(
     let devices = decoder.devices();
     let mut out = Vec::with_capacity(captions.len());
     for batch in captions.chunks(batch_size.max(1)) {
-        let (ids, mask) = tokenizer.encode_tensors::<B>(batch, &devices[0])?;
-        let hidden = decoder.hidden_states(ids, mask, layers);
+        let tokens = tokenizer.encode_tensors::<B>(batch, &devices[0])?;
+        let hidden = decoder.hidden_states(tokens.input_ids, tokens.attention_mask, layers);
         out.extend(
             hidden
                 .iter_dim(0)

@@ -1,15 +1,22 @@
 //! Caption tokenizers of the text encoders, built from a model folder's files the way
-//! transformers 5 builds `CLIPTokenizer` and `T5Tokenizer` (the reference pipeline's
-//! tokenizers), and called as FLUX's pipeline calls them: padded to a fixed length, truncated,
-//! end-of-text token kept.
+//! transformers 5 builds `CLIPTokenizer`, `T5Tokenizer` and `Qwen2Tokenizer` (the reference
+//! pipelines' tokenizers), and called as FLUX's pipelines call them: padded to a fixed length,
+//! truncated, end-of-text token kept ([`CaptionTokenizer`]); for FLUX.2's decoders, each caption
+//! in the model's chat template first, with the attention mask ([`PromptTokenizer`]).
 //!
 //! Only the vocabulary (and merges, special tokens, NFKC map) comes from the files; the
 //! normalization, pre-tokenization and post-processing are the reference classes' own, as in
 //! transformers 5, so that a `tokenizer.json` written by an older version tokenizes the same.
+//! Mistral's `tokenizer.json` (converted from its tekken file) is the exception: transformers
+//! runs it as it is, and so does [`PromptTokenizer::mistral`].
 
 // ref: huggingface/transformers@v5.24.0 src/transformers/models/clip/tokenization_clip.py
 // ref: huggingface/transformers@v5.24.0 src/transformers/models/t5/tokenization_t5.py
+// ref: huggingface/transformers@v5.24.0 src/transformers/models/qwen2/tokenization_qwen2.py
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux/pipeline_flux.py (_get_clip_prompt_embeds, _get_t5_prompt_embeds)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux2/pipeline_flux2.py (format_input, _get_mistral_3_small_prompt_embeds)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux2/pipeline_flux2_klein.py (_get_qwen3_prompt_embeds)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux2/system_messages.py (SYSTEM_MESSAGE)
 
 use std::path::{Path, PathBuf};
 
@@ -26,8 +33,8 @@ use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
 use tokenizers::processors::roberta::RobertaProcessing;
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{
-    AddedToken, NormalizerWrapper, PaddingParams, PaddingStrategy, SplitDelimiterBehavior,
-    Tokenizer, TruncationParams,
+    AddedToken, NormalizerWrapper, PaddingDirection, PaddingParams, PaddingStrategy,
+    SplitDelimiterBehavior, Tokenizer, TruncationParams,
 };
 
 use crate::error::LoadError;
@@ -45,6 +52,13 @@ const CLIP_PATTERN: &str =
     r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+";
 /// SentencePiece's word-boundary marker.
 const METASPACE: char = '▁';
+/// FLUX.2's text length (`max_sequence_length`, dev and klein).
+pub const FLUX2_TEXT_LENGTH: usize = 512;
+/// The system message of FLUX.2-dev's prompts (BFL's `SYSTEM_MESSAGE`).
+pub const FLUX2_SYSTEM_MESSAGE: &str = "You are an AI that reasons about image descriptions. You give structured responses focusing on object relationships, object\nattribution and actions without speculation.";
+/// Qwen2's pre-tokenization pattern: English contractions, letter runs with one leading
+/// non-letter, single digits, punctuation runs, newlines and other whitespace.
+const QWEN_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A caption tokenizer that gives rows of exactly [`CaptionTokenizer::length`] ids.
 pub struct CaptionTokenizer {
@@ -170,19 +184,7 @@ impl CaptionTokenizer {
         pad: &str,
         length: usize,
     ) -> Result<Self, LoadError> {
-        let pad_id = id_of(&tokenizer, folder, pad)?;
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: length,
-                ..Default::default()
-            }))
-            .map_err(|e| tokenizer_error(folder, e.to_string()))?;
-        tokenizer.with_padding(Some(PaddingParams {
-            strategy: PaddingStrategy::Fixed(length),
-            pad_id,
-            pad_token: pad.to_string(),
-            ..Default::default()
-        }));
+        fixed_length(&mut tokenizer, folder, pad, PaddingDirection::Right, length)?;
         Ok(Self {
             tokenizer,
             folder: folder.to_path_buf(),
@@ -214,6 +216,227 @@ impl CaptionTokenizer {
         let ids: Vec<i64> = rows.iter().flatten().map(|&id| i64::from(id)).collect();
         let data = TensorData::new(ids, [rows.len(), self.length]);
         Ok(Tensor::from_data(data, device))
+    }
+}
+
+/// Sets `tokenizer` to give `length` ids per text: truncated at the end, then padded with `pad`
+/// on the side `direction` names.
+fn fixed_length(
+    tokenizer: &mut Tokenizer,
+    folder: &Path,
+    pad: &str,
+    direction: PaddingDirection,
+    length: usize,
+) -> Result<(), LoadError> {
+    let pad_id = id_of(tokenizer, folder, pad)?;
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length: length,
+            ..Default::default()
+        }))
+        .map_err(|e| tokenizer_error(folder, e.to_string()))?;
+    tokenizer.with_padding(Some(PaddingParams {
+        strategy: PaddingStrategy::Fixed(length),
+        direction,
+        pad_id,
+        pad_token: pad.to_string(),
+        ..Default::default()
+    }));
+    Ok(())
+}
+
+/// The chat template a [`PromptTokenizer`] puts each caption in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChatTemplate {
+    /// FLUX.2-dev: Mistral's system prompt and one user message, without generation prompt.
+    Mistral,
+    /// FLUX.2-klein: Qwen3's user message and generation prompt, thinking switched off.
+    Qwen3,
+}
+
+/// The token ids and attention masks of a batch of prompts, one row of
+/// [`PromptTokenizer::length`] per caption.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptTokens {
+    /// Token ids.
+    pub input_ids: Vec<Vec<u32>>,
+    /// 1 for a token of the prompt, 0 for padding.
+    pub attention_mask: Vec<Vec<u32>>,
+}
+
+/// [`PromptTokens`] as tensors, `[captions, length]` each.
+pub struct PromptTensors<B: Backend> {
+    /// Token ids.
+    pub input_ids: Tensor<B, 2, Int>,
+    /// 1 for a token of the prompt, 0 for padding.
+    pub attention_mask: Tensor<B, 2, Int>,
+}
+
+/// A tokenizer of FLUX.2's decoder prompts: each caption in the model's chat template (as
+/// `apply_chat_template` renders FLUX.2's messages), tokenized, truncated to a fixed length and
+/// padded on the side the tokenizer folder names, with the attention mask.
+pub struct PromptTokenizer {
+    tokenizer: Tokenizer,
+    folder: PathBuf,
+    length: usize,
+    template: ChatTemplate,
+    bos: String,
+}
+
+impl PromptTokenizer {
+    /// FLUX.2-dev's Mistral tokenizer from a tokenizer folder holding `tokenizer.json` (run as
+    /// it is) and optionally `tokenizer_config.json` (special tokens, `padding_side`; defaults
+    /// `<s>`, `<pad>`, left). Each prompt is
+    /// `<s>[SYSTEM_PROMPT]`[`FLUX2_SYSTEM_MESSAGE`]`[/SYSTEM_PROMPT][INST]caption[/INST]` with
+    /// `[IMG]` removed from the caption, tokenized without added special tokens (the template
+    /// holds them), truncated to `length` ([`FLUX2_TEXT_LENGTH`] in the pipeline).
+    pub fn mistral(folder: &Path, length: usize) -> Result<Self, LoadError> {
+        let specials = SpecialTokens::read(folder, Some("<s>"), "</s>", "<pad>", "<unk>")?;
+        let tokenizer = read_tokenizer_json(folder)?;
+        let bos = specials.bos.unwrap_or_default();
+        Self::finish(
+            tokenizer,
+            folder,
+            &specials.pad,
+            PaddingDirection::Left,
+            length,
+            ChatTemplate::Mistral,
+            bos,
+        )
+    }
+
+    /// FLUX.2-klein's Qwen3 tokenizer from a tokenizer folder holding `tokenizer.json` and
+    /// optionally `tokenizer_config.json` (pad token, `padding_side`; defaults `<|endoftext|>`,
+    /// right): its vocabulary, merges and added tokens under `Qwen2Tokenizer`'s NFC and byte-level
+    /// pre-tokenization. Each prompt is
+    /// `<|im_start|>user\ncaption<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n`,
+    /// truncated to `length` ([`FLUX2_TEXT_LENGTH`] in the pipeline).
+    pub fn qwen3(folder: &Path, length: usize) -> Result<Self, LoadError> {
+        let specials =
+            SpecialTokens::read(folder, None, "<|im_end|>", "<|endoftext|>", "<|endoftext|>")?;
+        let mut tokenizer = read_tokenizer_json(folder)?;
+        let split = Split::new(
+            SplitPattern::Regex(QWEN_PATTERN.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| tokenizer_error(folder, e.to_string()))?;
+        let pre_tokenizer = PreTokenizerSequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, true, false).into(),
+        ]);
+        tokenizer
+            .with_normalizer(Some(NFC))
+            .with_pre_tokenizer(Some(pre_tokenizer))
+            .with_post_processor(None::<RobertaProcessing>);
+        Self::finish(
+            tokenizer,
+            folder,
+            &specials.pad,
+            PaddingDirection::Right,
+            length,
+            ChatTemplate::Qwen3,
+            String::new(),
+        )
+    }
+
+    fn finish(
+        mut tokenizer: Tokenizer,
+        folder: &Path,
+        pad: &str,
+        default_side: PaddingDirection,
+        length: usize,
+        template: ChatTemplate,
+        bos: String,
+    ) -> Result<Self, LoadError> {
+        let direction = padding_side(folder)?.unwrap_or(default_side);
+        fixed_length(&mut tokenizer, folder, pad, direction, length)?;
+        Ok(Self {
+            tokenizer,
+            folder: folder.to_path_buf(),
+            length,
+            template,
+            bos,
+        })
+    }
+
+    /// The number of ids in every row.
+    pub fn length(&self) -> usize {
+        self.length
+    }
+
+    /// The text of the prompt built around `caption`, as the chat template renders it.
+    pub fn prompt(&self, caption: &str) -> String {
+        match self.template {
+            ChatTemplate::Mistral => format!(
+                "{}[SYSTEM_PROMPT]{FLUX2_SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]{}[/INST]",
+                self.bos,
+                caption.replace("[IMG]", "")
+            ),
+            ChatTemplate::Qwen3 => format!(
+                "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            ),
+        }
+    }
+
+    /// The ids and attention mask of each caption's prompt.
+    pub fn encode(&self, captions: &[&str]) -> Result<PromptTokens, LoadError> {
+        let prompts: Vec<String> = captions.iter().map(|c| self.prompt(c)).collect();
+        // Mistral's template holds its special tokens; Qwen's tokenizer adds none.
+        let add_special = self.template == ChatTemplate::Qwen3;
+        let encodings = self
+            .tokenizer
+            .encode_batch(prompts, add_special)
+            .map_err(|e| tokenizer_error(&self.folder, e.to_string()))?;
+        Ok(PromptTokens {
+            input_ids: encodings.iter().map(|e| e.get_ids().to_vec()).collect(),
+            attention_mask: encodings
+                .iter()
+                .map(|e| e.get_attention_mask().to_vec())
+                .collect(),
+        })
+    }
+
+    /// The ids and attention mask of each caption's prompt as `[captions, length]` tensors on
+    /// `device`.
+    pub fn encode_tensors<B: Backend>(
+        &self,
+        captions: &[&str],
+        device: &B::Device,
+    ) -> Result<PromptTensors<B>, LoadError> {
+        let tokens = self.encode(captions)?;
+        let tensor = |rows: &[Vec<u32>]| {
+            let values: Vec<i64> = rows.iter().flatten().map(|&v| i64::from(v)).collect();
+            Tensor::from_data(TensorData::new(values, [rows.len(), self.length]), device)
+        };
+        Ok(PromptTensors {
+            input_ids: tensor(&tokens.input_ids),
+            attention_mask: tensor(&tokens.attention_mask),
+        })
+    }
+}
+
+/// `tokenizer.json` of a folder.
+fn read_tokenizer_json(folder: &Path) -> Result<Tokenizer, LoadError> {
+    let json = folder.join("tokenizer.json");
+    Tokenizer::from_file(&json).map_err(|e| tokenizer_error(&json, e.to_string()))
+}
+
+/// The `padding_side` of a folder's `tokenizer_config.json`, if it names one.
+fn padding_side(folder: &Path) -> Result<Option<PaddingDirection>, LoadError> {
+    let file = folder.join("tokenizer_config.json");
+    if !file.is_file() {
+        return Ok(None);
+    }
+    let json: Value = crate::weights::read_json(&file)?;
+    match json.get("padding_side").and_then(Value::as_str) {
+        None => Ok(None),
+        Some("left") => Ok(Some(PaddingDirection::Left)),
+        Some("right") => Ok(Some(PaddingDirection::Right)),
+        Some(other) => Err(tokenizer_error(
+            &file,
+            format!("padding_side `{other}` is neither left nor right"),
+        )),
     }
 }
 

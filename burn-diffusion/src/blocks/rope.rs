@@ -1,23 +1,36 @@
-//! Rotary position embedding over several position axes (FLUX: time, row, column).
+//! Rotary position embedding: over several position axes with interleaved pairs (FLUX: time,
+//! row, column), or over one axis with the halves of each head paired (Llama-family decoders).
 
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
 use burn_kernels::Kernels;
 
 use super::rms_norm;
 
-/// Cosine and sine tables for every token, `[tokens, head_dim]`, in f32.
-///
-/// Head dimension `d` is split into one band per axis (`axes_dim`, summing to `d`); in the band
-/// of axis `a` (width `n`), pair `j` turns by `pos[a] / theta^(2j / n)`. The angles are computed
-/// in f64 and each value is repeated for the two lanes of its pair.
+/// Cosine and sine tables for every token, `[tokens, head_dim]`, in f32, and which lanes of a
+/// head they pair ([`Rope::new`]: neighbours; [`Rope::halves`]: lane `i` with lane `i + d/2`).
 #[derive(Clone, Debug)]
 pub struct Rope<B: Backend> {
     cos: Tensor<B, 2>,
     sin: Tensor<B, 2>,
+    pairing: Pairing,
+}
+
+/// Which two lanes of a head turn together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pairing {
+    /// `(2j, 2j + 1)` (FLUX).
+    Interleaved,
+    /// `(j, j + d/2)` (transformers' `rotate_half`).
+    Halves,
 }
 
 impl<B: Kernels> Rope<B> {
-    /// Builds the tables from token positions, `positions[token * axes + axis]`.
+    /// Builds the tables from token positions, `positions[token * axes + axis]`, pairing
+    /// neighbouring lanes.
+    ///
+    /// Head dimension `d` is split into one band per axis (`axes_dim`, summing to `d`); in the
+    /// band of axis `a` (width `n`), pair `j` turns by `pos[a] / theta^(2j / n)`. The angles are
+    /// computed in f64 and each value is repeated for the two lanes of its pair.
     ///
     /// # Panics
     /// If an axis width is odd or the positions are not a whole number of tokens.
@@ -59,6 +72,47 @@ impl<B: Kernels> Rope<B> {
         Self {
             cos: table(cos),
             sin: table(sin),
+            pairing: Pairing::Interleaved,
+        }
+    }
+
+    /// The tables of tokens `0..tokens` for heads of `head_dim` lanes in which lane `j` turns with
+    /// lane `j + head_dim / 2` by `position / theta^(2j / head_dim)`: the rotary embedding of
+    /// transformers' Llama-family decoders (Mistral, Qwen3). Frequencies, angles, cosines and
+    /// sines are computed in f32 as transformers computes them, so that the tables match its
+    /// own at every position.
+    ///
+    /// # Panics
+    /// If `head_dim` is odd.
+    pub fn halves(tokens: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+        assert!(
+            head_dim.is_multiple_of(2),
+            "rope head width must be even, got {head_dim}"
+        );
+        let half = head_dim / 2;
+        let theta = theta as f32;
+        let freqs: Vec<f32> = (0..half)
+            .map(|j| 1.0 / theta.powf((2 * j) as f32 / head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(tokens * head_dim);
+        let mut sin = Vec::with_capacity(tokens * head_dim);
+        for position in 0..tokens {
+            let angles: Vec<f32> = freqs.iter().map(|f| position as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos()));
+                sin.extend(angles.iter().map(|a| a.sin()));
+            }
+        }
+        let table = |values| {
+            Tensor::from_data(
+                TensorData::new(values, [tokens, head_dim]),
+                (device, DType::F32),
+            )
+        };
+        Self {
+            cos: table(cos),
+            sin: table(sin),
+            pairing: Pairing::Halves,
         }
     }
 
@@ -67,21 +121,25 @@ impl<B: Kernels> Rope<B> {
         Self {
             cos: self.cos.clone().narrow(0, start, len),
             sin: self.sin.clone().narrow(0, start, len),
+            pairing: self.pairing,
         }
     }
 
     /// [`rms_norm`] of every head (`scale` `[head_dim]`), then [`apply`](Self::apply): one fused
-    /// kernel each way where [`burn_kernels::rms_norm_rope`] has one (unless the
-    /// installed `KernelOptions` switch it off; it rounds once, where the separate ops round the normalized value
-    /// and the scaled one too), elsewhere the two as written.
+    /// kernel each way where [`burn_kernels::rms_norm_rope`] has one for neighbouring pairs
+    /// (unless the installed `KernelOptions` switch it off; it rounds once, where the separate
+    /// ops round the normalized value and the scaled one too), elsewhere the two as written.
     ///
     /// # Shapes
     /// - `x`: `[batch, heads, tokens, head_dim]`
     pub fn apply_normalized(&self, x: Tensor<B, 4>, scale: Tensor<B, 1>, eps: f64) -> Tensor<B, 4> {
-        match burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps) {
-            Some(out) => out,
-            None => self.apply(rms_norm(x, scale, eps)),
-        }
+        let fused = match self.pairing {
+            Pairing::Interleaved => {
+                burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps)
+            }
+            Pairing::Halves => None,
+        };
+        fused.unwrap_or_else(|| self.apply(rms_norm(x, scale, eps)))
     }
 
     /// Rotates each pair of lanes `(x₀, x₁)` of every head: `(x₀ cos - x₁ sin, x₁ cos + x₀ sin)`,
@@ -93,10 +151,19 @@ impl<B: Kernels> Rope<B> {
         let dtype = x.dtype();
         let [b, h, l, d] = x.dims();
         let x = x.cast(DType::F32);
-        let pairs = x.clone().reshape([b, h, l, d / 2, 2]);
-        let real = pairs.clone().narrow(4, 0, 1);
-        let imag = pairs.narrow(4, 1, 1);
-        let rotated = Tensor::cat(vec![imag.neg(), real], 4).reshape([b, h, l, d]);
+        let rotated = match self.pairing {
+            Pairing::Interleaved => {
+                let pairs = x.clone().reshape([b, h, l, d / 2, 2]);
+                let real = pairs.clone().narrow(4, 0, 1);
+                let imag = pairs.narrow(4, 1, 1);
+                Tensor::cat(vec![imag.neg(), real], 4).reshape([b, h, l, d])
+            }
+            Pairing::Halves => {
+                let first = x.clone().narrow(3, 0, d / 2);
+                let second = x.clone().narrow(3, d / 2, d / 2);
+                Tensor::cat(vec![second.neg(), first], 3)
+            }
+        };
         let cos = self.cos.clone().unsqueeze::<4>();
         let sin = self.sin.clone().unsqueeze::<4>();
         (x * cos + rotated * sin).cast(dtype)
@@ -134,6 +201,32 @@ mod tests {
                     assert!((out[at] as f64 - y0).abs() < 1e-6);
                     assert!((out[at + 1] as f64 - y1).abs() < 1e-6);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn halves_turn_lane_j_with_lane_j_plus_half() {
+        let device = Default::default();
+        let (tokens, d, theta) = (3, 8, 1e4);
+        let rope = Rope::<Flex>::halves(tokens, d, theta, &device);
+        let values: Vec<f32> = (0..tokens * d).map(|i| (i as f32 * 0.61).cos()).collect();
+        let x = Tensor::<Flex, 4>::from_data(
+            TensorData::new(values.clone(), [1, 1, tokens, d]),
+            &device,
+        );
+        let out = rope.apply(x).into_data().to_vec::<f32>().unwrap();
+        for token in 0..tokens {
+            for j in 0..d / 2 {
+                let angle = token as f64 / theta.powf((2 * j) as f64 / d as f64);
+                let (x0, x1) = (
+                    values[token * d + j] as f64,
+                    values[token * d + j + d / 2] as f64,
+                );
+                let y0 = x0 * angle.cos() - x1 * angle.sin();
+                let y1 = x1 * angle.cos() + x0 * angle.sin();
+                assert!((out[token * d + j] as f64 - y0).abs() < 1e-5);
+                assert!((out[token * d + j + d / 2] as f64 - y1).abs() < 1e-5);
             }
         }
     }

@@ -67,7 +67,7 @@ pub fn encode_t5<B: Kernels>(
 }
 
 /// Drops a model and hands the memory its devices cached back.
-fn release<B: Kernels, M: Module<B>>(model: M, devices: &[B::Device]) {
+pub(super) fn release<B: Kernels, M: Module<B>>(model: M, devices: &[B::Device]) {
     drop(model);
     for device in devices {
         B::memory_cleanup(device);

@@ -305,3 +305,24 @@ fn missing_unexpected_and_misshaped_keys_are_named_at_once() {
     assert!(text.contains("broken.safetensors"), "{text}");
     assert!(text.contains("`layers.2.mlp.up_proj.weight`"), "{text}");
 }
+
+#[test]
+fn every_linear_weight_can_be_placed_elsewhere() {
+    let device = Default::default();
+    let mut placed = Vec::new();
+    let decoder = TextDecoder::<B>::load_with(
+        &fixture("qwen3"),
+        &device,
+        FloatDType::F32,
+        &mut |name, data| {
+            placed.push(name.to_string());
+            Ok(Tensor::from_data(data, &device))
+        },
+    )
+    .unwrap();
+    // Seven projections in each of the four layers; embeddings and norms stay on the device.
+    assert_eq!(placed.len(), 4 * 7, "{placed:?}");
+    assert!(placed.contains(&"layers.3.mlp.down_proj.weight".to_string()));
+    assert!(placed.iter().all(|name| name.ends_with("_proj.weight")));
+    check_prompt_embeds("qwen3", decoder, "qwen3_prompt_embeds", F32_TOLERANCE);
+}

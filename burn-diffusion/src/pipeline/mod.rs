@@ -1,7 +1,8 @@
-//! From a folder of images and captions to FLUX's training inputs: images fitted to a bucket,
-//! captions through FLUX.1's two text encoders or FLUX.2's decoder, latents packed into tokens
-//! with their ids.
+//! From a folder of images and captions to FLUX.1's and FLUX.2's training inputs: images fitted
+//! to a bucket, captions through FLUX.1's two text encoders or FLUX.2's decoder, latents packed
+//! into tokens with their ids.
 
+mod flux2_inputs;
 mod flux2_text;
 mod flux_inputs;
 mod flux_text;
@@ -9,5 +10,6 @@ mod images;
 
 pub use flux_inputs::{image_ids, pack_latents, text_ids, unpack_latents};
 pub use flux_text::{encode_clip_pooled, encode_t5};
+pub use flux2_inputs::{flux2_image_ids, flux2_text_ids, pack_flux2_latents, unpack_flux2_latents};
 pub use flux2_text::{FLUX2_DEV_LAYERS, FLUX2_KLEIN_LAYERS, encode_flux2_text};
 pub use images::load_image;

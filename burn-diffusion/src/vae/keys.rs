@@ -7,7 +7,11 @@
 //! (the original counts decoder levels from the finest), `upsample` → `upsamplers.0`,
 //! `mid.block_{1,2}` → `mid_block.resnets.{0,1}`, `mid.attn_1.{norm,q,k,v,proj_out}` →
 //! `mid_block.attentions.0.{group_norm,to_q,to_k,to_v,to_out.0}` (stored there as 1×1
-//! convolutions), `norm_out` → `conv_norm_out`, `nin_shortcut` → `conv_shortcut`.
+//! convolutions), `norm_out` → `conv_norm_out`, `nin_shortcut` → `conv_shortcut`; FLUX.2's file
+//! (BFL's `flux2-vae.safetensors`, also ComfyUI's) keeps its quant convolutions inside the
+//! encoder and decoder: `encoder.quant_conv` → `quant_conv`, `decoder.post_quant_conv` →
+//! `post_quant_conv`. Its batch norm is `bn.running_mean` / `bn.running_var` in both layouts;
+//! the batch norm's step counter (`bn.num_batches_tracked`) is not part of the model.
 
 /// Prefixes of the VAE's keys in all-in-one checkpoints (SD/SDXL and ComfyUI files).
 const PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
@@ -17,8 +21,8 @@ const PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
 pub enum VaeLayout {
     /// diffusers' `AutoencoderKL` (`encoder.down_blocks.0.resnets.0...`).
     Diffusers,
-    /// The original single file (`encoder.down.0.block.0...`), as in FLUX.1's `ae.safetensors`
-    /// and SDXL's `sdxl_vae.safetensors`.
+    /// The original single file (`encoder.down.0.block.0...`), as in FLUX.1's `ae.safetensors`,
+    /// FLUX.2's `flux2-vae.safetensors` and SDXL's `sdxl_vae.safetensors`.
     Original,
 }
 
@@ -68,10 +72,14 @@ impl KeyScheme {
     pub fn canonical(&self, key: &str) -> Option<String> {
         let key = key.strip_prefix(self.prefix)?;
         let parts: Vec<&str> = key.split('.').collect();
-        let own = matches!(
-            parts.first(),
-            Some(&"encoder" | &"decoder" | &"quant_conv" | &"post_quant_conv")
-        );
+        let own = match parts.as_slice() {
+            ["bn", "num_batches_tracked"] => false,
+            [root, ..] => matches!(
+                *root,
+                "encoder" | "decoder" | "quant_conv" | "post_quant_conv" | "bn"
+            ),
+            [] => false,
+        };
         if !own {
             return None;
         }
@@ -101,6 +109,13 @@ fn deprecated_attention(parts: &[&str]) -> Vec<String> {
 
 /// An original-layout key, split at dots, in diffusers' layout.
 fn original(parts: &[&str], levels: usize) -> Vec<String> {
+    if let ["encoder", "quant_conv", tail @ ..] | ["decoder", "post_quant_conv", tail @ ..] = parts
+    {
+        return std::iter::once(parts[1])
+            .chain(tail.iter().copied())
+            .map(str::to_string)
+            .collect();
+    }
     let mut out: Vec<String> = Vec::with_capacity(parts.len() + 2);
     let mut rest = parts;
     if let [side, tail @ ..] = rest {
@@ -224,6 +239,9 @@ mod tests {
             ("encoder.norm_out.weight", "encoder.conv_norm_out.weight"),
             ("encoder.conv_in.weight", "encoder.conv_in.weight"),
             ("quant_conv.bias", "quant_conv.bias"),
+            ("encoder.quant_conv.weight", "quant_conv.weight"),
+            ("decoder.post_quant_conv.bias", "post_quant_conv.bias"),
+            ("bn.running_var", "bn.running_var"),
         ];
         for (original, diffusers) in cases {
             assert_eq!(
@@ -271,6 +289,21 @@ mod tests {
         ];
         for (old, new) in cases {
             assert_eq!(s.canonical(old).as_deref(), Some(new), "{old}");
+        }
+    }
+
+    #[test]
+    fn the_batch_norm_step_counter_is_not_the_models() {
+        for key in [
+            "encoder.down.0.block.0.conv1.weight",
+            "encoder.down_blocks.0.resnets.0.conv1.weight",
+        ] {
+            let s = scheme(&[key]);
+            assert_eq!(s.canonical("bn.num_batches_tracked"), None);
+            assert_eq!(
+                s.canonical("bn.running_mean").as_deref(),
+                Some("bn.running_mean")
+            );
         }
     }
 

@@ -5,19 +5,21 @@
 //! dtype, as PyTorch's kernels do, so that a bf16 VAE keeps its precision at 1024² pixels.
 
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/autoencoder_kl.py
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/autoencoder_kl_flux2.py (AutoencoderKLFlux2: quant convolutions, `bn`)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/flux2/pipeline_flux2.py (_patchify_latents, _unpatchify_latents, _encode_vae_image, the batch-norm inverse before decoding)
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/vae.py (Encoder, Decoder, DiagonalGaussianDistribution)
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/models/unets/unet_2d_blocks.py (DownEncoderBlock2D, UpDecoderBlock2D, UNetMidBlock2D)
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/models/resnet.py (ResnetBlock2D), downsampling.py, upsampling.py
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/models/attention_processor.py (Attention, AttnProcessor2_0)
 
-use burn::module::Module;
+use burn::module::{Module, RunningState};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{GroupNorm, GroupNormConfig, Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::silu;
 use burn::tensor::{DType, Tensor, backend::Backend};
 use burn_kernels::Kernels;
 
-use super::VaeConfig;
+use super::{LatentBatchNormConfig, VaeConfig};
 use crate::blocks::sdpa;
 
 /// Epsilon of every group norm of the VAE.
@@ -25,7 +27,7 @@ const EPS: f64 = 1e-6;
 /// diffusers clamps the log-variance of the latent distribution to this range.
 const LOGVAR_RANGE: (f64, f64) = (-30.0, 20.0);
 
-/// A variational autoencoder with a KL-regularized latent (FLUX.1's and SDXL's VAE).
+/// A variational autoencoder with a KL-regularized latent (FLUX.1's, FLUX.2's and SDXL's VAE).
 ///
 /// Fields follow diffusers' keys (see [`super::VaeCheckpoint`] for the original layout).
 #[derive(Module, Debug)]
@@ -34,11 +36,97 @@ pub struct AutoencoderKl<B: Backend> {
     pub encoder: Encoder<B>,
     /// Latent to image.
     pub decoder: Decoder<B>,
-    /// 1×1 convolution over the moments (SDXL).
+    /// 1×1 convolution over the moments (SDXL, FLUX.2).
     pub quant_conv: Option<Conv2d<B>>,
-    /// 1×1 convolution over a latent before decoding (SDXL).
+    /// 1×1 convolution over a latent before decoding (SDXL, FLUX.2).
     pub post_quant_conv: Option<Conv2d<B>>,
+    /// The statistics that normalize a patchified latent (FLUX.2).
+    pub bn: Option<LatentBatchNorm<B>>,
     config: VaeConfig,
+}
+
+/// The running mean and variance of a batch norm without affine transform, over the channels
+/// of latents folded into `patch_size × patch_size` patches (FLUX.2's `vae.bn`). The statistics
+/// are state, not trained parameters.
+#[derive(Module, Debug)]
+pub struct LatentBatchNorm<B: Backend> {
+    /// `[latent_channels · patch_size²]`.
+    pub running_mean: RunningState<Tensor<B, 1>>,
+    /// `[latent_channels · patch_size²]`.
+    pub running_var: RunningState<Tensor<B, 1>>,
+    /// Side of the patches.
+    pub patch_size: usize,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl<B: Kernels> LatentBatchNorm<B> {
+    fn new(config: &LatentBatchNormConfig, latent_channels: usize, device: &B::Device) -> Self {
+        let channels = latent_channels * config.patch_size * config.patch_size;
+        Self {
+            running_mean: RunningState::new(Tensor::zeros([channels], device)),
+            running_var: RunningState::new(Tensor::ones([channels], device)),
+            patch_size: config.patch_size,
+            eps: config.eps,
+        }
+    }
+
+    /// `(patchify(z) - mean) / sqrt(var + eps)`, in the latent's dtype (the pipeline's
+    /// `_encode_vae_image` after the encoder).
+    ///
+    /// # Shapes
+    /// - `latents`: `[batch, c, h, w]`, sides divisible by `patch_size`
+    /// - output: `[batch, c · p², h / p, w / p]`
+    pub fn normalize(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        let (mean, std) = self.statistics(latents.dtype());
+        (patchify(latents, self.patch_size) - mean) / std
+    }
+
+    /// The inverse of [`LatentBatchNorm::normalize`].
+    ///
+    /// # Shapes
+    /// - `latents`: `[batch, c · p², h, w]`; output: `[batch, c, h · p, w · p]`
+    pub fn denormalize(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        let (mean, std) = self.statistics(latents.dtype());
+        unpatchify(latents * std + mean, self.patch_size)
+    }
+
+    /// The mean and the standard deviation `sqrt(var + eps)` (computed in f32) as `[1, C, 1,
+    /// 1]` in `dtype`.
+    fn statistics(&self, dtype: DType) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let column = |t: Tensor<B, 1>| {
+            let [c] = t.dims();
+            t.reshape([1, c, 1, 1])
+        };
+        let var = self.running_var.value().cast(DType::F32);
+        let std = (var + self.eps).sqrt().cast(dtype);
+        (column(self.running_mean.value().cast(dtype)), column(std))
+    }
+}
+
+/// Each `p × p` patch folded into the channels, ordered `(channel, row, column)`.
+///
+/// # Panics
+/// If a side is not divisible by `p`.
+fn patchify<B: Kernels>(latents: Tensor<B, 4>, p: usize) -> Tensor<B, 4> {
+    let [b, c, h, w] = latents.dims();
+    assert!(
+        h.is_multiple_of(p) && w.is_multiple_of(p),
+        "latent sides must be multiples of the patch size {p}, got {h}×{w}"
+    );
+    latents
+        .reshape([b, c, h / p, p, w / p, p])
+        .permute([0, 1, 3, 5, 2, 4])
+        .reshape([b, c * p * p, h / p, w / p])
+}
+
+/// The inverse of [`patchify`].
+fn unpatchify<B: Kernels>(latents: Tensor<B, 4>, p: usize) -> Tensor<B, 4> {
+    let [b, c, h, w] = latents.dims();
+    latents
+        .reshape([b, c / (p * p), p, p, h, w])
+        .permute([0, 1, 4, 2, 5, 3])
+        .reshape([b, c / (p * p), h * p, w * p])
 }
 
 /// The distribution the encoder gives for each latent element: a Gaussian with this mean and
@@ -84,6 +172,10 @@ impl VaeConfig {
             post_quant_conv: self
                 .use_post_quant_conv
                 .then(|| conv(latent, latent, 1, device)),
+            bn: self
+                .batch_norm
+                .as_ref()
+                .map(|norm| LatentBatchNorm::new(norm, latent, device)),
             config: self.clone(),
         }
     }
@@ -133,16 +225,47 @@ impl<B: Kernels> AutoencoderKl<B> {
         self.decoder.forward(latents)
     }
 
-    /// A latent as the diffusion model sees it: `(z - shift_factor) · scaling_factor`.
+    /// A latent as the diffusion model sees it: `(z - shift_factor) · scaling_factor`, or, for a
+    /// VAE with batch-norm statistics (FLUX.2), the latent folded into patches and normalized by
+    /// them ([`LatentBatchNorm::normalize`]).
+    ///
+    /// # Shapes
+    /// - `latents`: `[batch, latent_channels, h, w]`
+    /// - output: the same, or `[batch, latent_channels · p², h / p, w / p]` with batch-norm
+    ///   statistics
     pub fn normalize_latents(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        if let Some(bn) = &self.bn {
+            return bn.normalize(latents);
+        }
         let shift = self.config.shift_factor.unwrap_or(0.0);
         (latents - shift) * self.config.scaling_factor
     }
 
-    /// The inverse of [`AutoencoderKl::normalize_latents`]: `z / scaling_factor + shift_factor`.
+    /// The inverse of [`AutoencoderKl::normalize_latents`]: `z / scaling_factor + shift_factor`,
+    /// or [`LatentBatchNorm::denormalize`].
     pub fn denormalize_latents(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        if let Some(bn) = &self.bn {
+            return bn.denormalize(latents);
+        }
         let shift = self.config.shift_factor.unwrap_or(0.0);
         latents / self.config.scaling_factor + shift
+    }
+
+    /// The normalized most likely latents of images with pixels in `[-1, 1]`: what the
+    /// diffusion model is trained on (FLUX.2's pipeline: `_encode_vae_image`).
+    ///
+    /// # Shapes
+    /// - `images`: `[batch, in_channels, height, width]`
+    /// - output: see [`AutoencoderKl::normalize_latents`] (FLUX.2: `[batch, 128, height / 16,
+    ///   width / 16]`)
+    pub fn encode_latents(&self, images: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.normalize_latents(self.encode(images).mode())
+    }
+
+    /// Images from normalized latents ([`AutoencoderKl::denormalize_latents`], then
+    /// [`AutoencoderKl::decode`]).
+    pub fn decode_latents(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.decode(self.denormalize_latents(latents))
     }
 }
 
@@ -609,6 +732,54 @@ mod tests {
         let latents = vae.encode(images);
         assert_eq!(latents.mean.dims(), [1, 4, 5, 3]);
         assert_eq!(vae.decode(latents.mode()).dims(), [1, 3, 10, 6]);
+    }
+
+    #[test]
+    fn patches_fold_into_channels_row_by_row() {
+        let device = Default::default();
+        // 1 batch, 2 channels, 2×4 latent: values encode (channel, row, column).
+        let z = Tensor::<B, 1, burn::tensor::Int>::arange(0..16, &device)
+            .float()
+            .reshape([1, 2, 2, 4]);
+        let folded = patchify(z.clone(), 2);
+        assert_eq!(folded.dims(), [1, 8, 1, 2]);
+        let values = folded.clone().into_data().to_vec::<f32>().unwrap();
+        // Channel 1 of the output is channel 0's row 0, column 1 of each patch.
+        assert_eq!(&values[2..4], [1.0, 3.0]);
+        assert_eq!(&values[14..16], [13.0, 15.0]);
+        unpatchify(folded, 2)
+            .into_data()
+            .assert_eq(&z.into_data(), true);
+    }
+
+    #[test]
+    fn batch_norm_normalization_round_trips() {
+        let device = Default::default();
+        let config = VaeConfig {
+            block_out_channels: vec![8],
+            layers_per_block: 1,
+            norm_num_groups: 4,
+            latent_channels: 3,
+            ..VaeConfig::flux2()
+        };
+        let mut vae = config.init::<B>(&device);
+        let bn = vae.bn.as_mut().unwrap();
+        bn.running_mean = RunningState::new(Tensor::random(
+            [12],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        bn.running_var = RunningState::new(Tensor::random(
+            [12],
+            Distribution::Uniform(0.5, 2.0),
+            &device,
+        ));
+        let z = Tensor::<B, 4>::random([2, 3, 4, 6], Distribution::Normal(0.0, 1.0), &device);
+        let normalized = vae.normalize_latents(z.clone());
+        assert_eq!(normalized.dims(), [2, 12, 2, 3]);
+        vae.denormalize_latents(normalized)
+            .into_data()
+            .assert_approx_eq::<f32>(&z.into_data(), Tolerance::absolute(1e-5));
     }
 
     #[test]

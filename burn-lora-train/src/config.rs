@@ -240,9 +240,10 @@ pub struct TrainSectionYaml {
     /// Recompute each block in backward instead of storing its activations.
     #[serde(default = "defaults::yes")]
     pub gradient_checkpointing: bool,
-    /// σ sampling: `uniform`, `sigmoid` (= `logit_normal`) or `shift`.
-    #[serde(default = "defaults::timestep_type")]
-    pub timestep_type: String,
+    /// σ sampling: `uniform`, `sigmoid` (= `logit_normal`), `shift` or `flux2_shift` (=
+    /// `flux_shift`); default: the family's ([`Arch::default_timestep_type`]).
+    #[serde(default)]
+    pub timestep_type: Option<String>,
     /// Shift value for `timestep_type: shift` (FLUX.1-dev uses 3.0).
     #[serde(default = "defaults::shift")]
     pub timestep_shift: f64,
@@ -408,9 +409,6 @@ mod defaults {
     }
     pub fn yes() -> bool {
         true
-    }
-    pub fn timestep_type() -> String {
-        "sigmoid".into()
     }
     pub fn shift() -> f64 {
         3.0
@@ -659,17 +657,25 @@ pub enum TimestepSampling {
     LogitNormal,
     /// Uniform `u` shifted towards noise: `σ = s·u / (1 + (s − 1)·u)` with shift `s`.
     Shift(f64),
+    /// Logit-normal, shifted by `s = exp(μ)` with μ linear in the image's token count: 0.5 at
+    /// 256 tokens, 1.15 at 4096 (a 1024² image of FLUX.1 or FLUX.2, where `s` ≈ 3.16), as
+    /// musubi-tuner's `flux_shift` / `flux2_shift` and BFL's sampling schedules.
+    ResolutionShift,
 }
 
 impl TimestepSampling {
-    /// Draws one σ in [0, 1] from `rng`.
-    pub fn sample(self, rng: &mut Rng) -> f64 {
+    /// Draws one σ in [0, 1] from `rng` for an image of `tokens` tokens (which only
+    /// [`TimestepSampling::ResolutionShift`] reads).
+    pub fn sample_at(self, tokens: usize, rng: &mut Rng) -> f64 {
+        let shifted = |s: f64, u: f64| s * u / (1.0 + (s - 1.0) * u);
+        let logit_normal = |rng: &mut Rng| 1.0 / (1.0 + (-rng.normal()).exp());
         match self {
             Self::Uniform => rng.uniform(),
-            Self::LogitNormal => 1.0 / (1.0 + (-rng.normal()).exp()),
-            Self::Shift(s) => {
-                let u = rng.uniform();
-                s * u / (1.0 + (s - 1.0) * u)
+            Self::LogitNormal => logit_normal(rng),
+            Self::Shift(s) => shifted(s, rng.uniform()),
+            Self::ResolutionShift => {
+                let mu = 0.5 + (1.15 - 0.5) * (tokens as f64 - 256.0) / (4096.0 - 256.0);
+                shifted(mu.exp(), logit_normal(rng))
             }
         }
     }
@@ -906,7 +912,8 @@ impl TrainPlan {
 
         let network = check_network(&mut c, &yaml.network, &resolve);
         let model = check_model(&mut c, &yaml.model, &resolve);
-        let train = check_train(&mut c, &yaml.train);
+        let arch = model.as_ref().map_or(Arch::Flux1, |m| m.arch);
+        let train = check_train(&mut c, &yaml.train, arch);
         if yaml.datasets.is_empty() {
             c.fail("datasets", "expected at least one dataset folder");
         }
@@ -1271,7 +1278,7 @@ fn model_files(
     complete.then_some(ModelFiles(files))
 }
 
-fn check_train(c: &mut Checker, t: &TrainSectionYaml) -> Option<TrainSettings> {
+fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<TrainSettings> {
     let steps = c.at_least("train.steps", t.steps, 1);
     let batch = c.at_least("train.batch_size", t.batch_size, 1);
     let accumulation = c.at_least(
@@ -1318,15 +1325,21 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml) -> Option<TrainSettings> {
         )
         .map(|n| (n > 0.0).then_some(n));
     let shift = c.positive("train.timestep_shift", t.timestep_shift);
+    let timestep_type = t
+        .timestep_type
+        .clone()
+        .unwrap_or_else(|| arch.default_timestep_type().to_string());
     let timestep = c.choose(
         "train.timestep_type",
-        &t.timestep_type,
+        &timestep_type,
         &[
             ("uniform", TimestepSampling::Uniform),
             ("sigmoid", TimestepSampling::LogitNormal),
             ("logit_normal", TimestepSampling::LogitNormal),
             ("logit-normal", TimestepSampling::LogitNormal),
             ("shift", TimestepSampling::Shift(0.0)),
+            ("flux_shift", TimestepSampling::ResolutionShift),
+            ("flux2_shift", TimestepSampling::ResolutionShift),
         ],
     );
     let guidance = c.require(

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use burn_diffusion::flux2::Flux2Checkpoint;
 use burn_lora::Format;
 use burn_lora_train::config::{Arch, ModelFiles, ModelSource};
 use burn_lora_train::lora_names;
@@ -14,8 +15,9 @@ pub struct ConvertArgs {
     /// `ai-toolkit` (ComfyUI, ai-toolkit).
     #[arg(long, value_enum)]
     to: Target,
-    /// The model the LoRA is for: `flux1` (FLUX.1-dev and schnell), `tiny` (the built-in tiny
-    /// model), or a FLUX.1 transformer checkpoint (file or folder) to read the shape from.
+    /// The model the LoRA is for: `flux1` (FLUX.1-dev and schnell), `flux2` (FLUX.2-dev),
+    /// `flux2-klein-4b`, `flux2-klein-9b`, `tiny` / `tiny-flux2` (the built-in tiny models), or
+    /// a FLUX.1 or FLUX.2 transformer checkpoint (file or folder) to read the shape from.
     #[arg(long, default_value = "flux1")]
     model: String,
     /// The LoRA file to read: kohya, PEFT / diffusers, ai-toolkit or OneTrainer layout.
@@ -38,16 +40,26 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         Target::Peft => Format::Peft,
         Target::AiToolkit => Format::AiToolkit,
     };
-    let source = match args.model.as_str() {
-        "flux1" => ModelSource::Random("flux1-dev".into()),
-        "tiny" => ModelSource::Tiny,
-        path => ModelSource::Files(ModelFiles::pipeline(
-            Path::new(path),
-            Arch::Flux1.components(),
-        )),
+    let (arch, source) = match args.model.as_str() {
+        "flux1" => (Arch::Flux1, ModelSource::Random("flux1-dev".into())),
+        "flux2" => (Arch::Flux2, ModelSource::Random("flux2-dev".into())),
+        shape @ ("flux2-klein-4b" | "flux2-klein-9b") => {
+            (Arch::Flux2, ModelSource::Random(shape.into()))
+        }
+        "tiny" => (Arch::Flux1, ModelSource::Tiny),
+        "tiny-flux2" => (Arch::Flux2, ModelSource::Tiny),
+        path => {
+            let arch = if Flux2Checkpoint::open(Path::new(path)).is_ok() {
+                Arch::Flux2
+            } else {
+                Arch::Flux1
+            };
+            let files = ModelFiles::pipeline(Path::new(path), arch.components());
+            (arch, ModelSource::Files(files))
+        }
     };
-    let names = lora_names(Arch::Flux1, &source)
-        .with_context(|| format!("reading the model `{}`", args.model))?;
+    let names =
+        lora_names(arch, &source).with_context(|| format!("reading the model `{}`", args.model))?;
     let report = names
         .convert(&args.input, &args.output, to)
         .with_context(|| {

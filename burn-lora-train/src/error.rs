@@ -35,6 +35,14 @@ pub enum TrainError {
     /// Streaming the frozen weights.
     #[error(transparent)]
     Offload(#[from] OffloadError),
+    /// A `random:` model's weights could not be placed in host memory.
+    #[error("building the random {model}")]
+    Random {
+        /// Which model.
+        model: &'static str,
+        /// Why its weights could not be placed.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// `--resume` was asked for but the run folder has no valid checkpoint.
     #[error("{dir}: no checkpoint to resume from")]
     NothingToResume {

@@ -32,7 +32,7 @@ use crate::checkpoint::{RunDir, TrainingState};
 use crate::config::TrainPlan;
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
-use crate::family::{Arch, Family, Flux1, Sample, TrainBackend};
+use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, TrainBackend};
 use crate::models;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
 use crate::report::{LossLog, LossRow, Progress, StopFlag, plot_loss};
@@ -77,6 +77,7 @@ pub fn train<B: StreamTarget>(
     tracing::info!("{}; kernels: {}", plan.model.arch.name(), plan.kernels);
     match plan.model.arch {
         Arch::Flux1 => train_family::<_, B>(&Flux1::new(plan)?, plan, resume, stop, device),
+        Arch::Flux2 => train_family::<_, B>(&Flux2Family::new(plan)?, plan, resume, stop, device),
     }
 }
 

@@ -130,7 +130,7 @@ fn train(run: &mut Run, dataset: &Dataset, steps: u64) {
                 &item.caption
             };
             let embedding = caption_embedding(caption);
-            let sigma = TimestepSampling::LogitNormal.sample(&mut run.rng) as f32;
+            let sigma = TimestepSampling::LogitNormal.sample_at(16, &mut run.rng) as f32;
             for i in 0..PIXELS {
                 let noise = run.rng.normal() as f32;
                 inputs.push((1.0 - sigma) * x0[i] + sigma * noise + embedding[i]);

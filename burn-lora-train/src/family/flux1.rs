@@ -357,7 +357,7 @@ impl Family for Flux1 {
         let x0 = pack_latents(latents);
 
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep.sample(rng) as f32)
+            .map(|_| plan.train.timestep.sample_at(h * w / 4, rng) as f32)
             .collect();
         // Drawn on the CPU, so that every backend sees the same noise.
         Flex::seed(&HOST, rng.next_u64());

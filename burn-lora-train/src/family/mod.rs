@@ -10,6 +10,7 @@
 //! whatever the family's encoders return, under the family's names.
 
 mod flux1;
+mod flux2;
 
 use std::collections::BTreeMap;
 
@@ -28,6 +29,7 @@ use crate::error::TrainError;
 use crate::rng::Rng;
 
 pub use flux1::Flux1;
+pub use flux2::Flux2Family;
 
 /// The backend the denoiser trains on, over the computing backend `B`: frozen weights may
 /// stream from host memory.
@@ -42,16 +44,20 @@ pub type Encoded = BTreeMap<String, TensorData>;
 pub enum Arch {
     /// FLUX.1 dev / schnell: [`Flux1`].
     Flux1,
+    /// FLUX.2 dev / klein: [`Flux2Family`].
+    Flux2,
 }
 
 impl Arch {
     /// Every architecture, with its name in the configuration.
-    pub const ALL: &'static [(&'static str, Arch)] = &[("flux1", Arch::Flux1)];
+    pub const ALL: &'static [(&'static str, Arch)] =
+        &[("flux1", Arch::Flux1), ("flux2", Arch::Flux2)];
 
     /// The name in the configuration.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Flux1 => "flux1",
+            Arch::Flux2 => "flux2",
         }
     }
 
@@ -60,6 +66,7 @@ impl Arch {
     pub fn components(self) -> &'static [&'static str] {
         match self {
             Arch::Flux1 => flux1::COMPONENTS,
+            Arch::Flux2 => flux2::COMPONENTS,
         }
     }
 
@@ -67,6 +74,7 @@ impl Arch {
     pub fn random_shapes(self) -> &'static [&'static str] {
         match self {
             Arch::Flux1 => flux1::RANDOM_SHAPES,
+            Arch::Flux2 => flux2::RANDOM_SHAPES,
         }
     }
 
@@ -74,6 +82,17 @@ impl Arch {
     pub fn tokenizer_folders(self) -> &'static [&'static str] {
         match self {
             Arch::Flux1 => flux1::TOKENIZERS,
+            Arch::Flux2 => flux2::TOKENIZERS,
+        }
+    }
+
+    /// The σ sampling a run gets when `train.timestep_type` is not given: FLUX.1 `sigmoid`
+    /// (ai-toolkit's default), FLUX.2 its resolution-dependent shift (musubi-tuner's
+    /// `flux2_shift`).
+    pub fn default_timestep_type(self) -> &'static str {
+        match self {
+            Arch::Flux1 => "sigmoid",
+            Arch::Flux2 => "flux2_shift",
         }
     }
 }
@@ -235,6 +254,7 @@ pub fn check_caption(
 pub fn lora_names(arch: Arch, source: &ModelSource) -> Result<LayoutNames, TrainError> {
     match arch {
         Arch::Flux1 => Ok(Flux1::of(source)?.lora_names()),
+        Arch::Flux2 => Ok(Flux2Family::of(source)?.lora_names()),
     }
 }
 

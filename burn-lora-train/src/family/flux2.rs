@@ -1,0 +1,439 @@
+//! FLUX.2 (dev, klein): the transformer trained by flow matching on the VAE's normalized,
+//! patchified latents, conditioned on the stacked hidden states of a decoder-only text model
+//! (Mistral-Small-3 for dev, Qwen3 for klein).
+//!
+//! Sources: `tiny` builds a small dev-shaped model (guidance, Mistral prompt format) seeded from
+//! the run's seed on the CPU; `random:flux2-dev` / `random:flux2-klein-4b` /
+//! `random:flux2-klein-9b` build full-size ones with random weights (when the weights stream,
+//! the matrices are made in host memory and never on the device; the text decoder has only
+//! the layers its stacked states read); files are read with burn-diffusion's loaders (BFL
+//! single files and FP8 files, diffusers folders, ComfyUI's separate text-encoder and VAE
+//! files).
+
+use burn::backend::flex::FlexDevice;
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, TensorData};
+use burn_diffusion::flux2::{Flux2, Flux2Checkpoint, Flux2Config, Flux2Input};
+use burn_diffusion::materialize;
+use burn_diffusion::pipeline::{
+    FLUX2_DEV_LAYERS, FLUX2_KLEIN_LAYERS, encode_flux2_text, flux2_image_ids, flux2_text_ids,
+    pack_flux2_latents,
+};
+use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
+use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
+use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight};
+use burn_kernels::{FusedOps, Kernels};
+use burn_lora::LayoutNames;
+use burn_offload::{Offload, StreamTarget, WeightStream};
+
+use super::{
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_images_by_bucket,
+};
+use crate::config::{ModelSource, TrainPlan};
+use crate::dataset::Dataset;
+use crate::error::TrainError;
+use crate::models::{built_on_host, float_dtype, offload_config, random_matrices_placed};
+use crate::rng::Rng;
+
+/// Caption length of the tiny model's text decoder.
+const TINY_TOKENS: usize = 16;
+/// The tiny decoder's stacked hidden states.
+const TINY_LAYERS: [usize; 3] = [1, 2, 3];
+/// Where the noise is drawn before it is copied to the device.
+const HOST: FlexDevice = FlexDevice;
+/// Images encoded by the VAE per batch (of one bucket).
+const VAE_BATCH: usize = 4;
+/// Captions encoded per batch.
+const TEXT_BATCH: usize = 4;
+
+/// An image's encoding: the normalized, patchified VAE latent `[128, h/16, w/16]`, in the
+/// model's dtype.
+const LATENT: &str = "latent";
+/// A caption's encoding: the stacked hidden states `[tokens, 3 · hidden]`.
+const STATES: &str = "states";
+
+/// The components, as `model.<component>` and diffusers folders name them.
+pub(super) const COMPONENTS: &[&str] = &["transformer", "vae", "text_encoder"];
+/// The `random:` shapes.
+pub(super) const RANDOM_SHAPES: &[&str] = &["flux2-dev", "flux2-klein-4b", "flux2-klein-9b"];
+/// The tokenizer of the text decoder, as in a diffusers folder.
+pub(super) const TOKENIZERS: &[&str] = &["tokenizer"];
+
+/// Which decoder conditions the model, and so which prompt format and hidden states it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TextModel {
+    /// Mistral-Small-3 (dev): layers 10, 20, 30.
+    Mistral,
+    /// Qwen3 (klein): layers 9, 18, 27.
+    Qwen3,
+}
+
+/// The FLUX.2 family, for one model source.
+#[derive(Clone, Debug)]
+pub struct Flux2Family {
+    config: Flux2Config,
+}
+
+impl Flux2Family {
+    /// The family of `source`'s transformer, its configuration read without loading weights.
+    pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
+        let config = match source {
+            ModelSource::Tiny => Self::tiny(),
+            ModelSource::Random(shape) => match shape.as_str() {
+                "flux2-klein-4b" => Flux2Config::klein_4b(),
+                "flux2-klein-9b" => Flux2Config::klein_9b(),
+                _ => Flux2Config::dev(),
+            },
+            ModelSource::Files(files) => Flux2Checkpoint::open(files.get("transformer"))?
+                .config()
+                .clone(),
+        };
+        Ok(Self { config })
+    }
+
+    /// 16 input channels (4 latent channels patchified), width 32, two blocks of each kind,
+    /// guidance: FLUX.2-dev's shape in small.
+    fn tiny() -> Flux2Config {
+        let context = TINY_LAYERS.len() * Self::tiny_decoder().hidden_size;
+        Flux2Config::new(16, 16, context, 32, 2, 2, 2, vec![4; 4], true)
+    }
+
+    fn tiny_decoder() -> TextDecoderConfig {
+        TextDecoderConfig {
+            vocab_size: 1024,
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 3,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 16,
+            rope_theta: 1e6,
+            rms_norm_eps: 1e-5,
+            qk_norm: false,
+            final_norm: true,
+        }
+    }
+
+    /// The text model of a random or tiny source.
+    fn built_text_model(&self) -> TextModel {
+        if self.config.guidance_embed {
+            TextModel::Mistral
+        } else {
+            TextModel::Qwen3
+        }
+    }
+
+    fn text_tokens(plan: &TrainPlan) -> usize {
+        match plan.model.source {
+            ModelSource::Tiny => TINY_TOKENS,
+            _ => FLUX2_TEXT_LENGTH,
+        }
+    }
+
+    /// The VAE, on `device` in f32 whatever the model's dtype (as FLUX.1's).
+    fn vae<B: Kernels>(
+        plan: &TrainPlan,
+        device: &B::Device,
+    ) -> Result<AutoencoderKl<B>, TrainError> {
+        let dtype = FloatDType::F32;
+        B::seed(device, plan.train.seed ^ 1);
+        Ok(match &plan.model.source {
+            ModelSource::Tiny => {
+                let config = VaeConfig {
+                    latent_channels: 4,
+                    block_out_channels: vec![8, 8, 8, 8],
+                    layers_per_block: 1,
+                    norm_num_groups: 4,
+                    ..VaeConfig::flux2()
+                };
+                built_on_host(
+                    plan.train.seed ^ 1,
+                    dtype,
+                    |host| config.init::<Flex>(host),
+                    config.init::<B>(device),
+                )
+            }
+            ModelSource::Random(_) => materialize(VaeConfig::flux2().init::<B>(device), dtype),
+            ModelSource::Files(files) => {
+                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
+            }
+        })
+    }
+
+    /// The text decoder in the model's dtype and which one it is; with a `stream`, its
+    /// `Linear` weights are streamed weights in host memory (loaded there directly).
+    fn text_decoder<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<Offload<B>>>,
+    ) -> Result<(TextDecoder<Offload<B>>, TextModel), TrainError> {
+        let dtype = float_dtype(plan);
+        let seed = plan.train.seed ^ 2;
+        let mut place = |name: &str, data: TensorData| -> Result<_, _> {
+            let stream = stream.expect("placed only when streaming");
+            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
+        };
+        let (decoder, model) = match &plan.model.source {
+            ModelSource::Tiny => {
+                let config = Self::tiny_decoder();
+                let decoder =
+                    built_on_host(seed, dtype, |h| config.init::<Flex>(h), config.init(device));
+                (decoder, TextModel::Mistral)
+            }
+            ModelSource::Random(_) => {
+                let model = self.built_text_model();
+                let (preset, layers) = match model {
+                    TextModel::Mistral => (TextDecoderConfig::mistral_small_3(), FLUX2_DEV_LAYERS),
+                    TextModel::Qwen3 if self.config.hidden_size == 3072 => {
+                        (TextDecoderConfig::qwen3_4b(), FLUX2_KLEIN_LAYERS)
+                    }
+                    TextModel::Qwen3 => (TextDecoderConfig::qwen3_8b(), FLUX2_KLEIN_LAYERS),
+                };
+                let config = TextDecoderConfig {
+                    num_hidden_layers: *layers.iter().max().expect("three layers"),
+                    ..preset
+                };
+                Offload::<B>::seed(device, seed);
+                let decoder = match stream {
+                    Some(_) => random_matrices_placed(config.init(device), dtype, seed, &mut place)
+                        .map_err(|source| TrainError::Random {
+                            model: "text decoder",
+                            source,
+                        })?,
+                    None => materialize(config.init(device), dtype),
+                };
+                (decoder, model)
+            }
+            ModelSource::Files(files) => {
+                let path = files.get("text_encoder");
+                let decoder = match stream {
+                    Some(_) => TextDecoder::load_with(path, device, dtype, &mut place)?,
+                    None => TextDecoder::load(path, device, dtype)?,
+                };
+                let model = if decoder.config().qk_norm {
+                    TextModel::Qwen3
+                } else {
+                    TextModel::Mistral
+                };
+                (decoder, model)
+            }
+        };
+        let decoder = match stream {
+            Some(stream) => stream.stream_frozen(decoder)?,
+            None => decoder,
+        };
+        Ok((decoder, model))
+    }
+}
+
+impl Family for Flux2Family {
+    type Model<B: Backend> = Flux2<B>;
+
+    fn new(plan: &TrainPlan) -> Result<Self, TrainError> {
+        Self::of(&plan.model.source)
+    }
+
+    fn lora_names(&self) -> LayoutNames {
+        burn_diffusion::flux2::lora_names(&self.config)
+    }
+
+    fn base_model_name(&self, plan: &TrainPlan) -> String {
+        match &plan.model.source {
+            ModelSource::Tiny => "tiny-flux2".to_string(),
+            ModelSource::Random(shape) => format!("random:{shape}"),
+            ModelSource::Files(files) => files.get("transformer").display().to_string(),
+        }
+    }
+
+    fn cache_key(&self, plan: &TrainPlan) -> String {
+        format!("flux2 tokenizers {}\n", plan.model.tokenizers.display())
+    }
+
+    fn schema(&self) -> Schema {
+        Schema {
+            image: &[LATENT],
+            caption: &[STATES],
+        }
+    }
+
+    fn encode_images<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        dataset: &Dataset,
+        items: &[usize],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let vae = Self::vae::<B>(plan, device)?;
+        let encoded =
+            encode_images_by_bucket::<B>(dataset, items, VAE_BATCH, device, "the VAE", |images| {
+                let latents = vae
+                    .encode_latents(images.cast(DType::F32))
+                    .cast(plan.model.dtype);
+                latents
+                    .iter_dim(0)
+                    .map(|latent| {
+                        let latent = latent.squeeze_dim::<3>(0).into_data();
+                        Encoded::from([(LATENT.to_string(), latent)])
+                    })
+                    .collect()
+            });
+        drop(vae);
+        B::memory_cleanup(device);
+        encoded
+    }
+
+    /// When the transformer streams its weights, the text decoder streams too, within the
+    /// same budget.
+    fn encode_captions<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        texts: &[&str],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let stream = offload_config(plan)
+            .map(|config| WeightStream::<Offload<B>>::new(device, config))
+            .transpose()?;
+        let (decoder, model) = self.text_decoder::<B>(plan, device, stream.as_ref())?;
+        let folder = plan.model.tokenizers.join("tokenizer");
+        let length = Self::text_tokens(plan);
+        let (tokenizer, layers) = match (model, &plan.model.source) {
+            (_, ModelSource::Tiny) => (PromptTokenizer::mistral(&folder, length)?, &TINY_LAYERS),
+            (TextModel::Mistral, _) => (
+                PromptTokenizer::mistral(&folder, length)?,
+                &FLUX2_DEV_LAYERS,
+            ),
+            (TextModel::Qwen3, _) => (
+                PromptTokenizer::qwen3(&folder, length)?,
+                &FLUX2_KLEIN_LAYERS,
+            ),
+        };
+        if let Some(stream) = &stream {
+            stream.begin_step();
+        }
+        let states = encode_flux2_text(&tokenizer, decoder, texts, layers, TEXT_BATCH)?;
+        if let Some(stream) = &stream {
+            let stats = stream.end_step();
+            tracing::info!(
+                "the text decoder streamed {:.2} GB from host memory",
+                stats.bytes_uploaded as f64 / 1e9
+            );
+        }
+        states
+            .into_iter()
+            .zip(texts)
+            .map(|(states, text)| {
+                check_caption("the text decoder", text, &states)?;
+                Ok(Encoded::from([(STATES.to_string(), states)]))
+            })
+            .collect()
+    }
+
+    fn load<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<TrainBackend<B>>>,
+    ) -> Result<Flux2<TrainBackend<B>>, TrainError> {
+        let dtype = float_dtype(plan);
+        let seed = plan.train.seed ^ 4;
+        TrainBackend::<B>::seed(device, seed);
+        let mut place = |name: &str, data: TensorData| -> Result<_, _> {
+            let stream = stream.expect("placed only when streaming");
+            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
+        };
+        let place: &mut PlaceWeight<'_, TrainBackend<B>> = &mut place;
+        let flux = match (&plan.model.source, stream) {
+            (ModelSource::Files(files), Some(_)) => {
+                Flux2Checkpoint::open(files.get("transformer"))?.load_with(device, dtype, place)?
+            }
+            (ModelSource::Files(files), None) => {
+                Flux2::load(files.get("transformer"), device, dtype)?
+            }
+            (ModelSource::Tiny, _) => built_on_host(
+                seed,
+                dtype,
+                |host| self.config.init::<Flex>(host),
+                self.config.init(device),
+            ),
+            (ModelSource::Random(_), Some(_)) => {
+                random_matrices_placed(self.config.init(device), dtype, seed, place).map_err(
+                    |source| TrainError::Random {
+                        model: "transformer",
+                        source,
+                    },
+                )?
+            }
+            (ModelSource::Random(_), None) => materialize(self.config.init(device), dtype),
+        };
+        Ok(flux.no_grad())
+    }
+
+    /// Flow matching as for FLUX.1, on the packed latents `[n, h·w, 128]`: σ drawn for each
+    /// sample (`train.timestep_type`, FLUX.2's resolution shift by default, from the token
+    /// count `h·w`), the noise on the CPU, `x_t = (1 − σ)·x₀ + σ·noise`, target `noise − x₀`.
+    fn loss<B: FusedOps>(
+        &self,
+        plan: &TrainPlan,
+        flux: &Flux2<Autodiff<B>>,
+        batch: &[Sample<'_>],
+        rng: &mut Rng,
+        device: &B::Device,
+    ) -> (f64, GradientsParams) {
+        let latents = batch
+            .iter()
+            .map(|s| Tensor::<B, 3>::from_data(s.image[LATENT].clone(), device).cast(DType::F32))
+            .collect();
+        let states = batch
+            .iter()
+            .map(|s| Tensor::<B, 2>::from_data(s.caption[STATES].clone(), device))
+            .collect();
+        let latents = Tensor::stack::<4>(latents, 0);
+        let [n, _, h, w] = latents.dims();
+        let x0 = pack_flux2_latents(latents);
+
+        let sigmas: Vec<f32> = (0..n)
+            .map(|_| plan.train.timestep.sample_at(h * w, rng) as f32)
+            .collect();
+        Flex::seed(&HOST, rng.next_u64());
+        let noise = Tensor::<Flex, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), &HOST);
+        let noise = Tensor::<B, 3>::from_data(noise.into_data(), device);
+        let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
+        let s = sigma.clone().reshape([n, 1, 1]);
+        let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;
+        let target = noise - x0;
+
+        let dtype = plan.model.dtype;
+        let txt: Tensor<B, 3> = Tensor::stack(states, 0).cast(dtype);
+        let txt_len = txt.dims()[1];
+        let input = Flux2Input {
+            img: Tensor::from_inner(x_t.cast(dtype)),
+            txt: Tensor::from_inner(txt),
+            timesteps: Tensor::from_inner(sigma.cast(dtype)),
+            guidance: self.config.guidance_embed.then(|| {
+                Tensor::from_inner(
+                    Tensor::<B, 1>::full([n], plan.train.guidance_scale, device).cast(dtype),
+                )
+            }),
+            img_ids: flux2_image_ids(h, w),
+            txt_ids: flux2_text_ids(txt_len),
+        };
+        let checkpointing = if plan.train.gradient_checkpointing {
+            Checkpointing::Blocks
+        } else {
+            Checkpointing::Off
+        };
+        let mut tape = BlockTape::new(checkpointing);
+        let prediction = flux.forward_with(input, &mut tape).cast(DType::F32);
+        let loss = (prediction - Tensor::from_inner(target))
+            .powi_scalar(2)
+            .mean();
+        let value = loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(tape.backward(&loss, flux), flux);
+        (value, grads)
+    }
+}

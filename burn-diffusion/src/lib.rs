@@ -49,4 +49,4 @@ mod weights;
 
 pub use checkpointing::{Activations, BlockRunner, BlockTape, Checkpointing, Direct};
 pub use error::{KeyReport, LoadError, ShapeMismatch};
-pub use weights::{PlaceWeight, materialize};
+pub use weights::{PlaceWeight, materialize, random_placed};

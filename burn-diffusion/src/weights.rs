@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
+use half::bf16;
+use rayon::prelude::*;
 use serde::de::DeserializeOwned;
 
 use crate::error::{KeyReport, LoadError, ShapeMismatch};
@@ -376,6 +378,114 @@ pub fn materialize<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M 
     module.map(&mut Cast(dtype))
 }
 
+/// `module` (lazily initialized) with every parameter created now in `dtype`: each `Linear`
+/// weight from random values made on the host and handed to `place` (into host memory for
+/// streaming, never through the device), uniform in `±1/√d_input` as Burn's default `Linear`
+/// initialization, drawn from `seed` and the parameter's position; every other parameter on
+/// the device. This is how a model with random weights larger than the device is built.
+pub fn random_placed<B: Backend, M: Module<B>>(
+    module: M,
+    dtype: FloatDType,
+    seed: u64,
+    place: &mut PlaceWeight<'_, B>,
+) -> Result<M, Box<dyn std::error::Error + Send + Sync>> {
+    struct Random<'p, 'q, B: Backend> {
+        dtype: FloatDType,
+        seed: u64,
+        index: u64,
+        path: Vec<(String, String)>,
+        place: &'p mut PlaceWeight<'q, B>,
+        error: Option<Box<dyn std::error::Error + Send + Sync>>,
+    }
+    impl<B: Backend> ModuleMapper<B> for Random<'_, '_, B> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.path.push((name.to_string(), container.to_string()));
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let shape = param.lazy_shape().as_slice().to_vec();
+            self.index += 1;
+            let linear_weight = matches!(
+                self.path.as_slice(),
+                [.., (field, container)] if container == "Struct:Linear" && field == "weight"
+            );
+            if !linear_weight || self.error.is_some() {
+                let dtype = self.dtype;
+                return param.map(|tensor| tensor.cast(dtype));
+            }
+            let data = uniform_matrix(
+                &shape,
+                self.dtype,
+                self.seed ^ self.index.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
+            let name: Vec<&str> = self.path.iter().map(|(n, _)| n.as_str()).collect();
+            match (self.place)(&name.join("."), data) {
+                Ok(matrix) => {
+                    let id = param.id;
+                    param.transform_for_load(Tensor::from_primitive(matrix.into_primitive()), id)
+                }
+                Err(error) => {
+                    self.error = Some(error);
+                    param
+                }
+            }
+        }
+    }
+    let mut random = Random {
+        dtype,
+        seed,
+        index: 0,
+        path: Vec::new(),
+        place,
+        error: None,
+    };
+    let module = module.map(&mut random);
+    match random.error {
+        Some(error) => Err(error),
+        None => Ok(module),
+    }
+}
+
+/// A `[d_input, d_output]` matrix uniform in `±1/√d_input`, in `dtype` (bf16 or f32), from
+/// `seed`: rows of 4096 values each from their own SplitMix64 stream, in parallel.
+fn uniform_matrix(shape: &[usize], dtype: FloatDType, seed: u64) -> TensorData {
+    const CHUNK: usize = 4096;
+    let numel: usize = shape.iter().product();
+    let bound = (shape[0] as f32).sqrt().recip();
+    let fill = |chunk: usize, out: &mut dyn FnMut(usize, f32)| {
+        let mut state = seed ^ (chunk as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        for i in 0..CHUNK.min(numel - chunk * CHUNK) {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            let unit = (z >> 40) as f32 / (1u64 << 24) as f32;
+            out(i, (2.0 * unit - 1.0) * bound);
+        }
+    };
+    match dtype {
+        FloatDType::BF16 => {
+            let mut values = vec![bf16::ZERO; numel];
+            values
+                .par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(c, out)| fill(c, &mut |i, v| out[i] = bf16::from_f32(v)));
+            TensorData::new(values, shape.to_vec())
+        }
+        _ => {
+            let mut values = vec![0f32; numel];
+            values
+                .par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(c, out)| fill(c, &mut |i, v| out[i] = v));
+            TensorData::new(values, shape.to_vec())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -541,5 +651,32 @@ mod tests {
             .err()
             .unwrap();
         assert!(error.to_string().contains("both hold `w`"), "{error}");
+    }
+
+    #[test]
+    fn random_placed_hands_over_linear_weights_only_within_their_bound() {
+        let run = || {
+            let mut placed = Vec::new();
+            let mut place = |name: &str, data: TensorData| {
+                placed.push((name.to_string(), data.clone()));
+                Ok(Tensor::<Flex, 2>::from_data(data, &Default::default()))
+            };
+            let model = random_placed(tiny(), FloatDType::F32, 5, &mut place).unwrap();
+            (placed, model)
+        };
+        let (placed, model) = run();
+        assert_eq!(placed.len(), 1);
+        let (name, data) = &placed[0];
+        assert_eq!(name, "proj.weight");
+        assert_eq!(data.shape.to_vec(), vec![3, 2]);
+        let values = data.to_vec::<f32>().unwrap();
+        let bound = 1.0 / 3f32.sqrt();
+        assert!(values.iter().all(|v| v.abs() <= bound), "{values:?}");
+        assert!(values.windows(2).any(|w| w[0] != w[1]));
+        assert_eq!(
+            model.proj.weight.val().into_data().to_vec::<f32>().unwrap(),
+            values
+        );
+        assert_eq!(run().0[0].1, *data, "the same seed gives the same values");
     }
 }

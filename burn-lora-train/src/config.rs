@@ -1554,4 +1554,37 @@ mod tests {
         assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
     }
+
+    /// σ of `flux2_shift` is BFL's `generalized_time_snr_shift(t, μ, 1)` =
+    /// `e^μ / (e^μ + 1/t − 1)` of a logit-normal `t`, with μ at musubi-tuner's points.
+    #[test]
+    fn resolution_shift_is_bfl_time_shift_with_mu_linear_in_tokens() {
+        for (tokens, mu) in [
+            (256, 0.5f64),
+            (4096, 1.15),
+            (1024, 0.5 + 0.65 * 768.0 / 3840.0),
+        ] {
+            let (mut a, mut b) = (Rng::seeded(3), Rng::seeded(3));
+            let sigma = TimestepSampling::ResolutionShift.sample_at(tokens, &mut a);
+            let t = 1.0 / (1.0 + (-b.normal()).exp());
+            let expected = mu.exp() / (mu.exp() + (1.0 / t - 1.0));
+            assert!(
+                (sigma - expected).abs() < 1e-12,
+                "{tokens}: {sigma} vs {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_family_has_its_default_sigma_sampling() {
+        let dir = tempfile::tempdir().unwrap();
+        for (arch, expected) in [
+            ("flux1", TimestepSampling::LogitNormal),
+            ("flux2", TimestepSampling::ResolutionShift),
+        ] {
+            let yaml = MINIMAL.replace("arch: flux1", &format!("arch: {arch}"));
+            let plan = TrainPlan::load(&write(dir.path(), &yaml)).unwrap();
+            assert_eq!(plan.train.timestep, expected, "{arch}");
+        }
+    }
 }

@@ -6,11 +6,9 @@ use burn::backend::flex::FlexDevice;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
-use burn_diffusion::{PlaceWeight, materialize};
+use burn_diffusion::materialize;
 use burn_offload::{OffloadConfig, WireFormat};
 use burn_quant::Fp8Format;
-use half::bf16;
-use rayon::prelude::*;
 
 use crate::config::TrainPlan;
 
@@ -103,112 +101,4 @@ pub(crate) fn built_on_host<B: Backend, M: Module<B>, H: Module<Flex>>(
         "the target module has the same parameters"
     );
     target
-}
-
-/// `module` (lazily initialized) with every parameter created now in `dtype`: each `Linear`
-/// weight from random values made on the host and handed to `place` (into host memory for
-/// streaming, never through the device), uniform in `±1/√d_input` as Burn's default `Linear`
-/// initialization, drawn from `seed` and the parameter's position; every other parameter on
-/// the device. This is how a `random:` model larger than the device is built.
-pub(crate) fn random_matrices_placed<B: Backend, M: Module<B>>(
-    module: M,
-    dtype: FloatDType,
-    seed: u64,
-    place: &mut PlaceWeight<'_, B>,
-) -> Result<M, Box<dyn std::error::Error + Send + Sync>> {
-    struct Random<'p, 'q, B: Backend> {
-        dtype: FloatDType,
-        seed: u64,
-        index: u64,
-        path: Vec<(String, String)>,
-        place: &'p mut PlaceWeight<'q, B>,
-        error: Option<Box<dyn std::error::Error + Send + Sync>>,
-    }
-    impl<B: Backend> ModuleMapper<B> for Random<'_, '_, B> {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.path.push((name.to_string(), container.to_string()));
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let shape = param.lazy_shape().as_slice().to_vec();
-            self.index += 1;
-            let linear_weight = matches!(
-                self.path.as_slice(),
-                [.., (field, container)] if container == "Struct:Linear" && field == "weight"
-            );
-            if !linear_weight || self.error.is_some() {
-                let dtype = self.dtype;
-                return param.map(|tensor| tensor.cast(dtype));
-            }
-            let data = uniform_matrix(
-                &shape,
-                self.dtype,
-                self.seed ^ self.index.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-            );
-            let name: Vec<&str> = self.path.iter().map(|(n, _)| n.as_str()).collect();
-            match (self.place)(&name.join("."), data) {
-                Ok(matrix) => {
-                    let id = param.id;
-                    param.transform_for_load(Tensor::from_primitive(matrix.into_primitive()), id)
-                }
-                Err(error) => {
-                    self.error = Some(error);
-                    param
-                }
-            }
-        }
-    }
-    let mut random = Random {
-        dtype,
-        seed,
-        index: 0,
-        path: Vec::new(),
-        place,
-        error: None,
-    };
-    let module = module.map(&mut random);
-    match random.error {
-        Some(error) => Err(error),
-        None => Ok(module),
-    }
-}
-
-/// A `[d_input, d_output]` matrix uniform in `±1/√d_input`, in `dtype` (bf16 or f32), from
-/// `seed`: rows of 4096 values each from their own SplitMix64 stream, in parallel.
-fn uniform_matrix(shape: &[usize], dtype: FloatDType, seed: u64) -> TensorData {
-    const CHUNK: usize = 4096;
-    let numel: usize = shape.iter().product();
-    let bound = (shape[0] as f32).sqrt().recip();
-    let fill = |chunk: usize, out: &mut dyn FnMut(usize, f32)| {
-        let mut state = seed ^ (chunk as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        for i in 0..CHUNK.min(numel - chunk * CHUNK) {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            let unit = (z >> 40) as f32 / (1u64 << 24) as f32;
-            out(i, (2.0 * unit - 1.0) * bound);
-        }
-    };
-    match dtype {
-        FloatDType::BF16 => {
-            let mut values = vec![bf16::ZERO; numel];
-            values
-                .par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(c, out)| fill(c, &mut |i, v| out[i] = bf16::from_f32(v)));
-            TensorData::new(values, shape.to_vec())
-        }
-        _ => {
-            let mut values = vec![0f32; numel];
-            values
-                .par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(c, out)| fill(c, &mut |i, v| out[i] = v));
-            TensorData::new(values, shape.to_vec())
-        }
-    }
 }

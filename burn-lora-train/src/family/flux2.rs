@@ -25,7 +25,7 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
 use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight};
+use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
@@ -36,7 +36,7 @@ use super::{
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
 use crate::error::TrainError;
-use crate::models::{built_on_host, float_dtype, offload_config, random_matrices_placed};
+use crate::models::{built_on_host, float_dtype, offload_config};
 use crate::rng::Rng;
 
 /// Caption length of the tiny model's text decoder.
@@ -200,7 +200,7 @@ impl Flux2Family {
                 };
                 Offload::<B>::seed(device, seed);
                 let decoder = match stream {
-                    Some(_) => random_matrices_placed(config.init(device), dtype, seed, &mut place)
+                    Some(_) => random_placed(config.init(device), dtype, seed, &mut place)
                         .map_err(|source| TrainError::Random {
                             model: "text decoder",
                             source,
@@ -361,12 +361,12 @@ impl Family for Flux2Family {
                 self.config.init(device),
             ),
             (ModelSource::Random(_), Some(_)) => {
-                random_matrices_placed(self.config.init(device), dtype, seed, place).map_err(
-                    |source| TrainError::Random {
+                random_placed(self.config.init(device), dtype, seed, place).map_err(|source| {
+                    TrainError::Random {
                         model: "transformer",
                         source,
-                    },
-                )?
+                    }
+                })?
             }
             (ModelSource::Random(_), None) => materialize(self.config.init(device), dtype),
         };

@@ -1,4 +1,6 @@
 //! The tiny example's configuration, a training run on the CPU, and LoRA files as bits.
+// Each test binary uses a part of this module.
+#![allow(dead_code)]
 
 use std::path::Path;
 
@@ -10,7 +12,14 @@ use burn_lora_train::train::{Resume, TrainError, TrainSummary, train};
 
 /// The example configuration with `steps` steps, writing its run folder under `output`.
 pub fn plan(output: &Path, steps: u64) -> TrainPlan {
-    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny/config.yaml");
+    example_plan("config.yaml", output, steps)
+}
+
+/// The configuration `examples/tiny/<file>` with `steps` steps, writing under `output`.
+pub fn example_plan(file: &str, output: &Path, steps: u64) -> TrainPlan {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/tiny")
+        .join(file);
     let mut plan = TrainPlan::load(&file).unwrap();
     plan.output_dir = output.to_path_buf();
     plan.train.steps = steps;

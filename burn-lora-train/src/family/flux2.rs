@@ -39,8 +39,9 @@ use crate::error::TrainError;
 use crate::models::{built_on_host, float_dtype, offload_config};
 use crate::rng::Rng;
 
-/// Caption length of the tiny model's text decoder.
-const TINY_TOKENS: usize = 16;
+/// Prompt length of the tiny model's text decoder: its tokenizer's prompts of the tiny
+/// captions, FLUX.2-dev's system message included, take 50 to 62 tokens.
+const TINY_TOKENS: usize = 64;
 /// The tiny decoder's stacked hidden states.
 const TINY_LAYERS: [usize; 3] = [1, 2, 3];
 /// Where the noise is drawn before it is copied to the device.

@@ -109,11 +109,13 @@ fn deprecated_attention(parts: &[&str]) -> Vec<String> {
 
 /// An original-layout key, split at dots, in diffusers' layout.
 fn original(parts: &[&str], levels: usize) -> Vec<String> {
-    if let ["encoder", "quant_conv", tail @ ..] | ["decoder", "post_quant_conv", tail @ ..] = parts
+    // FLUX.2 keeps its quant convolutions inside the encoder and decoder.
+    if let ["encoder", conv @ "quant_conv", tail @ ..]
+    | ["decoder", conv @ "post_quant_conv", tail @ ..] = parts
     {
-        return std::iter::once(parts[1])
-            .chain(tail.iter().copied())
-            .map(str::to_string)
+        return std::iter::once(conv)
+            .chain(tail)
+            .map(|p| p.to_string())
             .collect();
     }
     let mut out: Vec<String> = Vec::with_capacity(parts.len() + 2);

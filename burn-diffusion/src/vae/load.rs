@@ -21,8 +21,9 @@ pub struct VaeCheckpoint {
 impl VaeCheckpoint {
     /// Opens a diffusers folder (a pipeline folder with `vae/`, or the `vae` folder itself:
     /// `config.json` and its safetensors), or a single `.safetensors` file in either layout
-    /// (FLUX.1's `ae.safetensors`, SDXL's `sdxl_vae.safetensors`, or an all-in-one checkpoint
-    /// whose VAE keys start with `first_stage_model.` or `vae.`).
+    /// (FLUX.1's `ae.safetensors`, FLUX.2's `flux2-vae.safetensors` from BFL or ComfyUI,
+    /// SDXL's `sdxl_vae.safetensors`, or an all-in-one checkpoint whose VAE keys start with
+    /// `first_stage_model.` or `vae.`).
     ///
     /// A single file's configuration is inferred from its tensors ([`VaeConfig::from_keys`]).
     pub fn open(path: &Path) -> Result<Self, LoadError> {
@@ -64,8 +65,9 @@ impl VaeCheckpoint {
         &self.config
     }
 
-    /// Builds the model with its weights in `dtype` on `device`; every missing, unexpected or
-    /// mis-shaped tensor is reported at once in [`LoadError::Keys`].
+    /// Builds the model with its weights (and FLUX.2's batch-norm statistics) in `dtype` on
+    /// `device`; every missing, unexpected or mis-shaped tensor is reported at once in
+    /// [`LoadError::Keys`].
     pub fn load<B: Kernels>(
         &self,
         device: &B::Device,

@@ -2,62 +2,13 @@
 //! loaders made of them (fixtures/tools, made once by make_fixtures.py; see its doc for what
 //! the loaders themselves cannot do).
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod tools;
 
-use burn::tensor::DType;
-use burn_diffusion::flux::{FluxConfig, linear_keys};
+use burn_diffusion::flux::{FluxConfig, LinearKeys, linear_keys};
 use burn_lora::{AdapterSet, Format, LayoutNames, SaveOptions};
 use burn_lora_train::config::{Arch, ModelSource};
 use burn_lora_train::lora_names;
-use safetensors::{Dtype, SafeTensors};
-
-const FORMATS: [(Format, &str); 3] = [
-    (Format::Kohya, "kohya"),
-    (Format::Peft, "peft"),
-    (Format::AiToolkit, "ai-toolkit"),
-];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tools")
-        .join(name)
-}
-
-/// A row-major matrix of f64 values with its shape.
-type Tensors = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
-
-/// Every tensor of a safetensors file, as f64, and its metadata.
-fn read(path: &Path) -> (Tensors, BTreeMap<String, String>) {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
-    let metadata = header
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = file
-        .iter()
-        .map(|(key, view)| {
-            let data = view.data();
-            let values: Vec<f64> = match view.dtype() {
-                Dtype::F64 => data
-                    .chunks_exact(8)
-                    .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-                Dtype::F32 => data
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
-                    .collect(),
-                other => panic!("{key}: unexpected dtype {other:?}"),
-            };
-            (key.to_string(), (view.shape().to_vec(), values))
-        })
-        .collect();
-    (tensors, metadata)
-}
+use tools::{FORMATS, assert_updates, fixture, read};
 
 /// The shape of `model.path: tiny`.
 fn tiny_config() -> FluxConfig {
@@ -77,107 +28,25 @@ fn trained() -> AdapterSet {
         .unwrap()
 }
 
-fn assert_close(what: &str, found: &[f64], expected: &[f64]) {
-    assert_eq!(found.len(), expected.len(), "{what}: length");
-    let peak = expected.iter().fold(0f64, |m, v| m.max(v.abs()));
-    assert!(peak > 0.0, "{what}: the expected update is zero");
-    for (i, (f, e)) in found.iter().zip(expected).enumerate() {
-        assert!(
-            (f - e).abs() <= 1e-5 * peak,
-            "{what}[{i}]: the tool applied {f}, the model trained {e}"
-        );
-    }
-}
-
-/// Every adapted layer's update under the checkpoint's (BFL) weight keys.
-fn bfl_updates(set: &AdapterSet) -> Tensors {
+fn keys() -> Vec<LinearKeys> {
     linear_keys(&tiny_config())
-        .into_iter()
-        .filter_map(|keys| {
-            let (rows, cols, delta) = set.get(&keys.module)?.delta();
-            Some((format!("{}.weight", keys.bfl), (vec![rows, cols], delta)))
-        })
-        .collect()
-}
-
-/// Every adapted layer's update under diffusers' weight keys (fused layers split, the final
-/// modulation's halves swapped), by the table that loads diffusers checkpoints.
-fn diffusers_updates(set: &AdapterSet) -> Tensors {
-    let mut out = Tensors::new();
-    for keys in linear_keys(&tiny_config()) {
-        let Some(adapter) = set.get(&keys.module) else {
-            continue;
-        };
-        let (_, cols, delta) = adapter.delta();
-        for slice in &keys.diffusers {
-            let (_, target) = out
-                .entry(format!("{}.weight", slice.target))
-                .or_insert_with(|| (vec![slice.len, cols], vec![0.0; slice.len * cols]));
-            for (i, row) in slice.rows.clone().enumerate() {
-                let from = (slice.to + i) * cols;
-                target[row * cols..(row + 1) * cols].copy_from_slice(&delta[from..from + cols]);
-            }
-        }
-    }
-    out
-}
-
-fn assert_updates(tool: &str, found: &Tensors, expected: &Tensors) {
-    let found_keys: Vec<&String> = found.keys().collect();
-    let expected_keys: Vec<&String> = expected.keys().collect();
-    assert_eq!(found_keys, expected_keys, "{tool}: the weights changed");
-    for (key, (shape, values)) in expected {
-        assert_eq!(&found[key].0, shape, "{tool}: {key}");
-        assert_close(&format!("{tool}: {key}"), &found[key].1, values);
-    }
 }
 
 #[test]
 fn every_layer_of_the_model_is_adapted_in_the_fixture() {
-    let set = trained();
-    assert_eq!(set.len(), linear_keys(&tiny_config()).len());
-    for (_, adapter) in set.iter() {
-        assert_eq!((adapter.rank(), adapter.alpha()), (Some(4), 8.0));
-    }
+    tools::assert_every_layer_adapted(&trained(), &keys());
 }
 
-/// Our writer, today, writes exactly the files the tools loaded (keys, values, alphas, and
-/// the metadata diffusers reads), and every layout reads back to the same adapters.
+/// Our writer, today, writes exactly the files the tools loaded.
 #[test]
 fn the_writer_writes_the_files_the_tools_loaded() {
-    let names = tiny_names();
-    let set = trained();
-    let dir = tempfile::tempdir().unwrap();
-    for (format, name) in FORMATS {
-        let written = dir.path().join(format!("{name}.safetensors"));
-        let options = SaveOptions {
-            dtype: Some(DType::F32),
-            ..SaveOptions::for_format(format)
-        };
-        names.save(&set, &written, &options).unwrap();
-        let file = fixture(&format!("lora_{name}.safetensors"));
-        let (ours, our_meta) = read(&written);
-        let (theirs, their_meta) = read(&file);
-        assert_eq!(
-            ours.keys().collect::<Vec<_>>(),
-            theirs.keys().collect::<Vec<_>>(),
-            "{name}"
-        );
-        assert_eq!(ours, theirs, "{name}");
-        let peft = "lora_adapter_metadata";
-        assert_eq!(our_meta.get(peft), their_meta.get(peft), "{name}");
-        assert_eq!(
-            names.load(&file).unwrap().iter().collect::<Vec<_>>(),
-            set.iter().collect::<Vec<_>>(),
-            "{name}"
-        );
-    }
+    tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "");
 }
 
 /// ComfyUI patches every weight of every file by exactly alpha / rank · up · down.
 #[test]
 fn comfyui_applies_every_update_of_every_format() {
-    let expected = bfl_updates(&trained());
+    let expected = tools::bfl_updates(&keys(), &trained());
     for (_, name) in FORMATS {
         let (found, _) = read(&fixture(&format!("comfyui_{name}.safetensors")));
         assert_updates(&format!("ComfyUI, {name} file"), &found, &expected);
@@ -189,19 +58,19 @@ fn comfyui_applies_every_update_of_every_format() {
 /// blocks' `linear1` (it splits those at FLUX.1-dev's widths only; see the full-width test).
 #[test]
 fn diffusers_applies_every_update_it_can() {
-    let set = trained();
+    let (set, keys) = (trained(), keys());
     let (peft, _) = read(&fixture("diffusers_peft.safetensors"));
-    assert_updates("diffusers, peft file", &peft, &diffusers_updates(&set));
+    let expected = tools::diffusers_updates(&keys, &set);
+    assert_updates("diffusers, peft file", &peft, &expected);
 
-    let mut blocks = AdapterSet::default();
-    for (name, adapter) in set.iter() {
-        let block = name.starts_with("double_blocks.") || name.starts_with("single_blocks.");
-        if block && !name.ends_with(".linear1") {
-            blocks.insert(name, adapter.clone());
-        }
-    }
+    let blocks = tools::only(&set, &keys, |k| {
+        let block =
+            k.module.starts_with("double_blocks.") || k.module.starts_with("single_blocks.");
+        block && !k.module.ends_with(".linear1")
+    });
     let (kohya, _) = read(&fixture("diffusers_kohya.safetensors"));
-    assert_updates("diffusers, kohya file", &kohya, &diffusers_updates(&blocks));
+    let expected = tools::diffusers_updates(&keys, &blocks);
+    assert_updates("diffusers, kohya file", &kohya, &expected);
 }
 
 /// At FLUX.1-dev's width, LoRAs on a single block's diffusers parts convert into the kohya
@@ -232,7 +101,7 @@ fn full_width_parts_convert_to_the_kohya_file_diffusers_splits() {
 #[test]
 fn round_trips_through_every_layout_keep_values_and_scale() {
     let names = tiny_names();
-    let keys = linear_keys(&tiny_config());
+    let keys = keys();
     let mut set = AdapterSet::default();
     let mut state = 0x2545_f491_4f6c_dd1du64;
     let mut next = move || {

@@ -1,7 +1,6 @@
 //! `burnlora train` on the tiny FLUX.2 example (`examples/tiny/flux2.yaml`: a small random
 //! dev-shaped FLUX.2 with a tiny VAE and text decoder, six 64×64 images): the run writes an
-//! ai-toolkit LoRA under FLUX.2's BFL names with its alpha, and an interrupted run continues
-//! exactly. (Its own test binary: the device's random generator is global to the process.)
+//! ai-toolkit LoRA under FLUX.2's BFL names, and an interrupted run continues exactly. (Its own test binary: the device's random generator is global to the process.)
 
 mod common;
 
@@ -46,14 +45,9 @@ fn the_tiny_flux2_trains_saves_and_resumes_exactly() {
         .load(&lora)
         .unwrap();
     assert_eq!(set.len(), 20);
-    for module in &modules {
-        let alpha = file.tensor(&format!("{module}.alpha")).unwrap();
-        assert_eq!(
-            alpha.data(),
-            4f32.to_le_bytes(),
-            "{module}: alpha 4 (rank 4)"
-        );
-    }
+    // diffusers' FLUX.2 loaders refuse `.alpha` keys: alpha / rank is in lora_B.
+    assert!(file.names().iter().all(|k| !k.ends_with(".alpha")));
+    assert!(set.iter().all(|(_, adapter)| adapter.scale() == 1.0));
     let trained = weights(&lora)
         .iter()
         .filter(|(_, role, _)| *role == Role::Up)

@@ -46,17 +46,20 @@ impl Format {
     }
 }
 
-/// Where a PEFT file keeps the LoRA alpha.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a file of `lora_A` / `lora_B` names (PEFT, ai-toolkit) keeps the LoRA alpha.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PeftAlpha {
-    /// As f32 `.alpha` tensors, which ComfyUI reads and diffusers turns into its LoRA config
-    /// (`network_alphas`).
+    /// As f32 `.alpha` tensors, which ComfyUI reads and diffusers' FLUX.1 loader turns into its
+    /// LoRA config (`network_alphas`).
+    #[default]
     Tensors,
     /// Only in the `lora_adapter_metadata` entry diffusers reads (`lora_alpha`,
     /// `alpha_pattern`), as diffusers' `save_lora_weights` writes it; ComfyUI, which does not
-    /// read it, then applies the file at scale 1.
+    /// read it, then applies the file at scale 1. PEFT files only (ai-toolkit files keep
+    /// `.alpha` tensors then).
     Metadata,
-    /// Multiplied into `lora_B`, so that `alpha = rank`: what loaders assume without metadata.
+    /// Multiplied into `lora_B`, so that `alpha = rank`: what loaders assume without alpha
+    /// (the original alpha stays in the `ss_network_alpha` metadata).
     Baked,
 }
 
@@ -68,7 +71,7 @@ pub struct SaveOptions {
     /// The key prefix; `None` means `lora_unet` (kohya), `transformer` (PEFT) or
     /// `diffusion_model` (ai-toolkit).
     pub prefix: Option<String>,
-    /// Where a PEFT file keeps alpha.
+    /// Where a PEFT or ai-toolkit file keeps alpha.
     pub peft_alpha: PeftAlpha,
     /// Convert the weights to this dtype; `None` keeps each tensor's dtype.
     pub dtype: Option<DType>,
@@ -238,7 +241,7 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
                 push(Role::Up, up.clone());
                 peft_alphas.push((name.to_string(), down.shape[0], *alpha));
             }
-            (StoredAdapter::Lora { down, up, alpha }, Format::Peft)
+            (StoredAdapter::Lora { down, up, alpha }, Format::Peft | Format::AiToolkit)
                 if options.peft_alpha == PeftAlpha::Baked =>
             {
                 let scale = *alpha as f64 / down.shape[0] as f64;
@@ -783,6 +786,10 @@ pub struct LayoutNames {
     pub diffusers: NameMap,
     /// The PEFT key prefix of the diffusers component (`transformer`, `unet`).
     pub diffusers_prefix: String,
+    /// Where this model's PEFT and ai-toolkit files keep alpha so that its tools apply them
+    /// whole: [`PeftAlpha::Tensors`] where they read `.alpha`, [`PeftAlpha::Baked`] where a
+    /// loader refuses keys other than `lora_A` / `lora_B` (diffusers' FLUX.2 loaders).
+    pub peft_alpha: PeftAlpha,
 }
 
 impl LayoutNames {
@@ -796,8 +803,9 @@ impl LayoutNames {
     }
 
     /// Writes `set` (keyed by the model's module paths) in `options.format` with the layout's
-    /// names (see [`save`]); a module without a name in the layout is an error naming it,
-    /// and nothing is written.
+    /// names (see [`save`]) and, in PEFT and ai-toolkit files, its
+    /// [`peft_alpha`](Self::peft_alpha); a module without a name in the layout is an error
+    /// naming it, and nothing is written.
     pub fn save(
         &self,
         set: &AdapterSet,
@@ -808,6 +816,9 @@ impl LayoutNames {
         let mut options = options.clone();
         if options.format == Format::Peft && options.prefix.is_none() {
             options.prefix = Some(self.diffusers_prefix.clone());
+        }
+        if options.format != Format::Kohya {
+            options.peft_alpha = self.peft_alpha;
         }
         save(&named, path, &options)
     }

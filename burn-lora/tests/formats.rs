@@ -132,6 +132,10 @@ fn rank_1024_alpha_64_keeps_scale_one_sixteenth() {
             peft_alpha: PeftAlpha::Baked,
             ..SaveOptions::peft()
         },
+        SaveOptions {
+            peft_alpha: PeftAlpha::Baked,
+            ..SaveOptions::for_format(burn_lora::Format::AiToolkit)
+        },
     ];
     for (i, options) in styles.iter().enumerate() {
         let path = dir.path().join(format!("{i}.safetensors"));
@@ -151,9 +155,12 @@ fn rank_1024_alpha_64_keeps_scale_one_sixteenth() {
                 assert_eq!(config["transformer.lora_alpha"], 64.0);
                 assert_eq!(config["transformer.r"], 1024);
             }
-            (_, PeftAlpha::Baked | PeftAlpha::Tensors) => {
-                assert!(!metadata.contains_key("lora_adapter_metadata"))
+            (_, PeftAlpha::Baked) => {
+                assert!(!metadata.contains_key("lora_adapter_metadata"));
+                assert!(tensors.names().iter().all(|k| !k.ends_with(".alpha")));
+                assert_eq!(metadata["ss_network_alpha"], "64");
             }
+            (_, PeftAlpha::Tensors) => assert!(!metadata.contains_key("lora_adapter_metadata")),
         }
         assert_eq!(metadata["ss_network_dim"], "1024");
 
@@ -163,7 +170,7 @@ fn rank_1024_alpha_64_keeps_scale_one_sixteenth() {
         let resumed = with_adapter(base.clone(), 1024, 1024.0);
         let (reloaded, _) = load_adapters(resumed, loaded.clone()).unwrap();
         let adapter = reloaded.layer.adapter().unwrap();
-        if options.peft_alpha == PeftAlpha::Baked && options.format == burn_lora::Format::Peft {
+        if options.peft_alpha == PeftAlpha::Baked {
             // Baked: alpha = rank, the scale lives in lora_B.
             assert_eq!((stored.scale(), adapter.scale()), (1.0, 1.0));
         } else {

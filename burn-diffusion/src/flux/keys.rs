@@ -9,7 +9,7 @@
 //! `(scale, shift)` where BFL stores `(shift, scale)`. A BFL layer is therefore described as a
 //! list of row ranges of diffusers layers.
 
-use burn_lora::{LayoutNames, NameMap, RowSlice};
+use burn_lora::{LayoutNames, NameMap, PeftAlpha, RowSlice};
 
 use super::FluxConfig;
 
@@ -227,12 +227,13 @@ pub(crate) fn final_layer_keys(h: usize, out_channels: usize) -> [LinearKeys; 2]
 /// projections and the final modulation's halves swap. Built from [`linear_keys`], the table
 /// that loads checkpoints.
 pub fn lora_names(config: &FluxConfig) -> LayoutNames {
-    layout_names(linear_keys(config))
+    layout_names(linear_keys(config), PeftAlpha::Tensors)
 }
 
 /// The LoRA names of the layers `keys` describes: BFL module paths as the checkpoint names,
-/// diffusers paths (renamed, or split by rows) under `transformer.`.
-pub(crate) fn layout_names(keys: Vec<LinearKeys>) -> LayoutNames {
+/// diffusers paths (renamed, or split by rows) under `transformer.`; PEFT and ai-toolkit files
+/// keep alpha as `peft_alpha` says.
+pub(crate) fn layout_names(keys: Vec<LinearKeys>, peft_alpha: PeftAlpha) -> LayoutNames {
     let (checkpoint, diffusers) = keys.into_iter().fold(
         (NameMap::new(), NameMap::new()),
         |(checkpoint, diffusers), keys| {
@@ -249,6 +250,7 @@ pub(crate) fn layout_names(keys: Vec<LinearKeys>) -> LayoutNames {
         checkpoint,
         diffusers,
         diffusers_prefix: "transformer".into(),
+        peft_alpha,
     }
 }
 

@@ -6,7 +6,7 @@
 //! `to_q`, `to_k`, `to_v` (`add_*_proj` for text) and swaps the final modulation's halves, as
 //! for FLUX.1; a single block's `linear1` stays whole (`attn.to_qkv_mlp_proj`).
 
-use burn_lora::LayoutNames;
+use burn_lora::{LayoutNames, PeftAlpha};
 
 use super::Flux2Config;
 use crate::flux::{
@@ -99,9 +99,10 @@ pub(crate) fn vector_keys(config: &Flux2Config) -> Vec<VectorKeys> {
 
 /// The names of every adapted layer in each LoRA file layout: BFL module paths for kohya and
 /// ai-toolkit files, diffusers paths (under `transformer.`) for PEFT files, built from
-/// [`linear_keys`], the table that loads checkpoints.
+/// [`linear_keys`], the table that loads checkpoints. PEFT and ai-toolkit files carry alpha in
+/// `lora_B` (diffusers' FLUX.2 loaders refuse `.alpha` keys); kohya files keep `.alpha`.
 pub fn lora_names(config: &Flux2Config) -> LayoutNames {
-    layout_names(linear_keys(config))
+    layout_names(linear_keys(config), PeftAlpha::Baked)
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ use burn::tensor::{Distribution, FloatDType, IntDType, Tensor, TensorData};
 use burn_diffusion::flux::{Flux, FluxConfig, FluxInput};
 use burn_diffusion::flux2::{Flux2, Flux2Config, Flux2Input};
 use burn_diffusion::{BlockRunner, BlockTape, Checkpointing, Direct, PlaceWeight, random_placed};
-use burn_kernels::FusedOps;
+use burn_kernels::{FusedOps, Kernels};
 use burn_lora::{LoraConfig, LoraPlan};
 use burn_offload::{Offload, OffloadConfig, WeightStream, WireFormat};
 
@@ -137,7 +137,7 @@ trait Denoiser<B: Backend>: Module<B> {
     fn step(&self, args: &Args, runner: &mut impl BlockRunner<B>) -> (Tensor<B, 3>, Tensor<B, 3>);
 }
 
-impl<B: FusedOps> Denoiser<B> for Flux<B> {
+impl<B: Kernels> Denoiser<B> for Flux<B> {
     fn step(&self, args: &Args, runner: &mut impl BlockRunner<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (config, device) = (self.config(), &self.devices()[0]);
         let normal = Distribution::Normal(0.0, 1.0);
@@ -155,7 +155,7 @@ impl<B: FusedOps> Denoiser<B> for Flux<B> {
     }
 }
 
-impl<B: FusedOps> Denoiser<B> for Flux2<B> {
+impl<B: Kernels> Denoiser<B> for Flux2<B> {
     fn step(&self, args: &Args, runner: &mut impl BlockRunner<B>) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (config, device) = (self.config(), &self.devices()[0]);
         let normal = Distribution::Normal(0.0, 1.0);
@@ -224,7 +224,7 @@ fn main() {
     }
 }
 
-type Device = <Cuda as Backend>::Device;
+type Device = burn::backend::cuda::CudaDevice;
 
 /// The run `args` ask for, of the model `plain` / `offload` make (lazily initialized) on the
 /// two backends.

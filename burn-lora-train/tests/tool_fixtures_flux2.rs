@@ -1,6 +1,12 @@
 //! The FLUX.2 LoRA files `burnlora train` writes, against what ComfyUI's and diffusers' own
 //! loaders made of them (fixtures/tools/flux2, made once by make_flux2_fixtures.py, whose doc
-//! gives the tools' code that cannot load the layers listed here).
+//! gives the tools' code that cannot load, or misapplies, the layers listed here). What each
+//! tool applies of the 31 layers, every one checked against the trained update but the one
+//! diffusers misapplies (checked against what it applies instead):
+//! - kohya file: ComfyUI 31, diffusers 25 (not [`DIFFUSERS_KOHYA_UNREAD`]);
+//! - PEFT file: ComfyUI 24 (not [`COMFYUI_PEFT_UNREAD`]), diffusers 31;
+//! - ai-toolkit file: ComfyUI 31, diffusers 31, [`DIFFUSERS_AI_TOOLKIT_UNSWAPPED`] with its
+//!   halves unswapped.
 
 mod tools;
 
@@ -9,7 +15,7 @@ use burn_diffusion::flux2::{Flux2Config, linear_keys};
 use burn_lora::{AdapterSet, LayoutNames};
 use burn_lora_train::config::{Arch, ModelSource};
 use burn_lora_train::lora_names;
-use tools::{FORMATS, assert_updates, fixture, read};
+use tools::{FORMATS, Tensors, assert_updates, fixture, read};
 
 /// What ComfyUI does not read of the PEFT file, by diffusers name: its diffusers names for
 /// FLUX.2 are FLUX.1's (`time_text_embed.*`, per-block modulations), so the layers FLUX.2 added
@@ -35,9 +41,15 @@ const DIFFUSERS_KOHYA_UNREAD: [&str; 6] = [
     "final_layer.adaLN_modulation.1",
 ];
 
-/// The files diffusers refuses whole (`Flux2Pipeline.load_lora_weights` raises on their `.alpha`
-/// tensors), so that no diffusers fixture exists for them.
-const DIFFUSERS_REFUSED: [&str; 2] = ["peft", "ai-toolkit"];
+/// What diffusers applies wrongly of the ai-toolkit file, by BFL name: its ai-toolkit FLUX.2
+/// converter maps `final_layer.adaLN_modulation.1` to `norm_out.linear` without swapping BFL's
+/// (shift, scale) halves into diffusers' (scale, shift) (loaders/lora_conversion_utils.py
+/// `_convert_non_diffusers_flux2_lora_to_diffusers`, `extra_mappings`, line 2555; its FLUX.2
+/// checkpoint converter does swap them, loaders/single_file_utils.py line 3937), so it applies
+/// the final modulation's shift update as its scale and back. A diffusers bug, not ours: the
+/// same adapter in the PEFT file, under `norm_out.linear` with the halves swapped, is applied
+/// right.
+const DIFFUSERS_AI_TOOLKIT_UNSWAPPED: [&str; 1] = ["final_layer.adaLN_modulation.1"];
 
 /// The shape of `model.path: tiny` for `model.arch: flux2`.
 fn tiny_config() -> Flux2Config {
@@ -74,9 +86,10 @@ fn the_writer_writes_the_files_the_tools_loaded() {
     tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "flux2/");
 }
 
-/// ComfyUI patches every weight of the kohya and ai-toolkit files by exactly
-/// alpha / rank · up · down, and of the PEFT file every weight but those it has no name for
-/// (the final modulation's halves swapped back, the blocks' split projections fused).
+/// ComfyUI patches every weight of the kohya and ai-toolkit files by exactly the trained
+/// alpha / rank · up · down (from `.alpha` in the kohya file, baked into `lora_B` in the
+/// others), and of the PEFT file every weight but those it has no name for (the final
+/// modulation's halves swapped back, the blocks' split projections fused).
 #[test]
 fn comfyui_applies_every_update_it_can() {
     let (set, keys) = (trained(), keys());
@@ -97,7 +110,7 @@ fn comfyui_applies_every_update_it_can() {
 /// diffusers applies every update of the kohya file its converter reads, split into
 /// `to_q` / `to_k` / `to_v` (`add_*_proj`) as the key table splits the fused `qkv`.
 #[test]
-fn diffusers_applies_every_update_it_can() {
+fn diffusers_applies_every_update_of_the_kohya_file_it_reads() {
     let (set, keys) = (trained(), keys());
     let read_by_diffusers = tools::only(&set, &keys, |k| {
         !DIFFUSERS_KOHYA_UNREAD.contains(&k.bfl.as_str())
@@ -109,8 +122,57 @@ fn diffusers_applies_every_update_it_can() {
     let (found, _) = read(&fixture("flux2/diffusers_kohya.safetensors"));
     let expected = tools::diffusers_updates(&keys, &read_by_diffusers);
     assert_updates("diffusers, kohya file", &found, &expected);
-    for name in DIFFUSERS_REFUSED {
-        let path = fixture(&format!("flux2/diffusers_{name}.safetensors"));
-        assert!(!path.exists(), "{}", path.display());
+}
+
+/// diffusers applies the PEFT file whole, each update as trained (alpha / rank is in lora_B).
+#[test]
+fn diffusers_applies_the_peft_file_whole() {
+    let (set, keys) = (trained(), keys());
+    let (found, _) = read(&fixture("flux2/diffusers_peft.safetensors"));
+    let expected = tools::diffusers_updates(&keys, &set);
+    assert_updates("diffusers, peft file", &found, &expected);
+}
+
+/// diffusers applies every layer of the ai-toolkit file: each update as trained, but for the
+/// final modulation, which it applies with BFL's halves in diffusers' places
+/// ([`DIFFUSERS_AI_TOOLKIT_UNSWAPPED`]).
+#[test]
+fn diffusers_applies_the_ai_toolkit_file_whole_but_the_final_modulation_unswapped() {
+    let (set, keys) = (trained(), keys());
+    let (mut found, _) = read(&fixture("flux2/diffusers_ai-toolkit.safetensors"));
+    let unswapped: Vec<&LinearKeys> = keys
+        .iter()
+        .filter(|k| DIFFUSERS_AI_TOOLKIT_UNSWAPPED.contains(&k.bfl.as_str()))
+        .collect();
+    assert_eq!(unswapped.len(), DIFFUSERS_AI_TOOLKIT_UNSWAPPED.len());
+
+    for k in unswapped {
+        // Both halves go to one diffusers weight, swapped.
+        let target = &k.diffusers[0].target;
+        assert!(k.diffusers.iter().all(|slice| &slice.target == target));
+        let key = format!("{target}.weight");
+        let applied = found.remove(&key).unwrap_or_else(|| panic!("{key}"));
+        let one = tools::only(&set, &keys, |other| other.module == k.module);
+        // What diffusers applied is the update in BFL row order...
+        let bfl = tools::bfl_updates(&keys, &one);
+        let as_in_file = Tensors::from([(key.clone(), bfl[&format!("{}.weight", k.bfl)].clone())]);
+        assert_updates(
+            "diffusers, ai-toolkit file, final modulation",
+            &Tensors::from([(key.clone(), applied.clone())]),
+            &as_in_file,
+        );
+        // ...which is not the update the model trained, in diffusers' row order.
+        let trained = &tools::diffusers_updates(&keys, &one)[&key];
+        assert_ne!(applied, *trained, "{key}: diffusers now swaps the halves");
     }
+
+    let rest = tools::only(&set, &keys, |k| {
+        !DIFFUSERS_AI_TOOLKIT_UNSWAPPED.contains(&k.bfl.as_str())
+    });
+    assert_eq!(
+        rest.len(),
+        keys.len() - DIFFUSERS_AI_TOOLKIT_UNSWAPPED.len()
+    );
+    let expected = tools::diffusers_updates(&keys, &rest);
+    assert_updates("diffusers, ai-toolkit file", &found, &expected);
 }

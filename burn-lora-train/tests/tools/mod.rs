@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use burn_diffusion::flux::LinearKeys;
-use burn_lora::{AdapterSet, Format, LayoutNames, SaveOptions};
+use burn_lora::{AdapterSet, Format, LayoutNames, PeftAlpha, SaveOptions};
 use safetensors::{Dtype, SafeTensors};
 
 pub const FORMATS: [(Format, &str); 3] = [
@@ -139,7 +139,8 @@ pub fn assert_every_layer_adapted(set: &AdapterSet, keys: &[LinearKeys]) {
 
 /// Our writer, today, writes exactly the files `folder`'s `lora_<format>.safetensors` the tools
 /// loaded (keys, values, alphas, and the metadata diffusers reads), and every layout reads
-/// back to the same adapters.
+/// back to the same adapters (where the layout bakes alpha / rank into `lora_B`, to adapters of
+/// scale 1 with the same updates).
 pub fn assert_writer_writes_the_fixtures(names: &LayoutNames, set: &AdapterSet, folder: &str) {
     let dir = tempfile::tempdir().unwrap();
     for (format, name) in FORMATS {
@@ -160,10 +161,28 @@ pub fn assert_writer_writes_the_fixtures(names: &LayoutNames, set: &AdapterSet, 
         assert_eq!(ours, theirs, "{name}");
         let peft = "lora_adapter_metadata";
         assert_eq!(our_meta.get(peft), their_meta.get(peft), "{name}");
+        let loaded = names.load(&file).unwrap();
+        if format == Format::Kohya || names.peft_alpha != PeftAlpha::Baked {
+            assert_eq!(
+                loaded.iter().collect::<Vec<_>>(),
+                set.iter().collect::<Vec<_>>(),
+                "{name}"
+            );
+            continue;
+        }
+        // Alpha / rank is in lora_B: the file reads back with alpha = rank, the same updates.
         assert_eq!(
-            names.load(&file).unwrap().iter().collect::<Vec<_>>(),
-            set.iter().collect::<Vec<_>>(),
+            loaded.iter().map(|(m, _)| m).collect::<Vec<_>>(),
+            set.iter().map(|(m, _)| m).collect::<Vec<_>>(),
             "{name}"
         );
+        for (module, adapter) in set.iter() {
+            let read_back = loaded.get(module).unwrap();
+            assert_eq!(read_back.rank(), adapter.rank(), "{name}: {module}");
+            assert_eq!(read_back.scale(), 1.0, "{name}: {module}");
+            let ((rows, cols, found), (r, c, expected)) = (read_back.delta(), adapter.delta());
+            assert_eq!((rows, cols), (r, c), "{name}: {module}");
+            assert_close(&format!("{name}: {module}"), &found, &expected);
+        }
     }
 }

@@ -6,8 +6,10 @@ use std::path::Path;
 
 use burn::config::Config;
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 use crate::error::LoadError;
+use crate::weights::read_json;
 
 /// The shape of a FLUX.1 transformer. Field names follow BFL's `FluxParams`; the diffusers name
 /// of each is given where it differs.
@@ -76,52 +78,16 @@ impl FluxConfig {
 
     /// Checks that the sizes agree with each other.
     pub fn validate(&self) -> Result<(), String> {
-        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
-            return Err(format!(
-                "hidden size {} is not a multiple of {} heads",
-                self.hidden_size, self.num_heads
-            ));
-        }
-        let head_dim = self.head_dim();
-        if self.axes_dim.iter().sum::<usize>() != head_dim
-            || self.axes_dim.iter().any(|a| a % 2 == 1)
-        {
-            return Err(format!(
-                "rope axes {:?} must be even and sum to the head size {head_dim}",
-                self.axes_dim
-            ));
-        }
-        Ok(())
+        check_heads(self.hidden_size, self.num_heads, &self.axes_dim)
     }
 
     /// Reads diffusers' `transformer/config.json` (`FluxTransformer2DModel`).
     pub fn from_diffusers_json(file: &Path) -> Result<Self, LoadError> {
-        let text = std::fs::read_to_string(file).map_err(|source| LoadError::Io {
-            file: file.to_path_buf(),
-            source,
-        })?;
-        let raw: DiffusersConfig =
-            serde_json::from_str(&text).map_err(|source| LoadError::Json {
-                file: file.to_path_buf(),
-                source,
-            })?;
+        let raw: DiffusersConfig = read_diffusers_json(file, "FluxTransformer2DModel")?;
         let error = |message: String| LoadError::Config {
             file: file.to_path_buf(),
             message,
         };
-        if let Some(class) = raw.class_name.as_deref()
-            && class != "FluxTransformer2DModel"
-        {
-            return Err(error(format!(
-                "`_class_name` is {class}, expected FluxTransformer2DModel"
-            )));
-        }
-        if raw.patch_size != 1 {
-            return Err(error(format!(
-                "patch_size {} is not supported (FLUX uses 1)",
-                raw.patch_size
-            )));
-        }
         let config = Self {
             in_channels: raw.in_channels,
             out_channels: raw.out_channels.unwrap_or(raw.in_channels),
@@ -215,13 +181,61 @@ impl FluxConfig {
     }
 }
 
+/// Checks that `heads` heads divide the width `hidden` and that the rotary axes are even and
+/// sum to the head size (FLUX.1 and FLUX.2).
+pub(crate) fn check_heads(hidden: usize, heads: usize, axes_dim: &[usize]) -> Result<(), String> {
+    if heads == 0 || !hidden.is_multiple_of(heads) {
+        return Err(format!(
+            "hidden size {hidden} is not a multiple of {heads} heads"
+        ));
+    }
+    let head_dim = hidden / heads;
+    if axes_dim.iter().sum::<usize>() != head_dim || axes_dim.iter().any(|a| a % 2 == 1) {
+        return Err(format!(
+            "rope axes {axes_dim:?} must be even and sum to the head size {head_dim}"
+        ));
+    }
+    Ok(())
+}
+
+/// Reads a diffusers transformer `config.json` as `T`, after checking that its `_class_name`
+/// (when given) is `class` and its `patch_size` is 1, the only one FLUX uses.
+pub(crate) fn read_diffusers_json<T: DeserializeOwned>(
+    file: &Path,
+    class: &str,
+) -> Result<T, LoadError> {
+    #[derive(Deserialize)]
+    struct Common {
+        #[serde(rename = "_class_name")]
+        class_name: Option<String>,
+        #[serde(default = "one")]
+        patch_size: usize,
+    }
+    fn one() -> usize {
+        1
+    }
+    let error = |message: String| LoadError::Config {
+        file: file.to_path_buf(),
+        message,
+    };
+    let common: Common = read_json(file)?;
+    if let Some(found) = common.class_name.as_deref()
+        && found != class
+    {
+        return Err(error(format!("`_class_name` is {found}, expected {class}")));
+    }
+    if common.patch_size != 1 {
+        return Err(error(format!(
+            "patch_size {} is not supported (FLUX uses 1)",
+            common.patch_size
+        )));
+    }
+    read_json(file)
+}
+
 /// The fields of diffusers' `FluxTransformer2DModel` config, with its defaults.
 #[derive(Deserialize)]
 struct DiffusersConfig {
-    #[serde(rename = "_class_name")]
-    class_name: Option<String>,
-    #[serde(default = "one")]
-    patch_size: usize,
     #[serde(default = "d_in_channels")]
     in_channels: usize,
     #[serde(default)]
@@ -244,9 +258,6 @@ struct DiffusersConfig {
     axes_dims_rope: Vec<usize>,
 }
 
-fn one() -> usize {
-    1
-}
 fn d_in_channels() -> usize {
     64
 }

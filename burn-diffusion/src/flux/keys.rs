@@ -31,7 +31,7 @@ pub struct LinearKeys {
 
 /// A learned vector that is not part of a Linear (the RMS-norm scales of the attention).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct VectorKeys {
+pub struct VectorKeys {
     /// Path in the Burn module tree, which is also the BFL key.
     pub module: String,
     /// Key in diffusers files.

@@ -154,27 +154,81 @@ impl TransformerFiles {
     }
 }
 
-/// An opened FLUX.1 checkpoint: its files, layout and configuration.
-pub struct FluxCheckpoint {
-    files: TransformerFiles,
-    config: FluxConfig,
+/// The configuration of a FLUX-family transformer (FLUX.1, FLUX.2), as far as its checkpoints
+/// need it to be opened and loaded by [`TransformerCheckpoint`].
+pub trait TransformerConfig: Sized + Clone {
+    /// The transformer this configures.
+    type Model<B: Backend>: Module<B>;
+    /// The model's name in errors (`FLUX.1`).
+    const MODEL: &'static str;
+    /// A BFL key every checkpoint of this model has and no other model's does.
+    const MARKER: &'static str;
+
+    /// Reads diffusers' `transformer/config.json`.
+    fn from_diffusers_json(file: &Path) -> Result<Self, LoadError>;
+
+    /// Infers the configuration from the keys and shapes of a BFL file.
+    fn from_bfl_keys<'a>(
+        file: &Path,
+        keys: impl Iterator<Item = &'a str>,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<Self, LoadError>;
+
+    /// The model of this shape, its parameters not yet created.
+    fn build<B: Kernels>(&self, device: &B::Device) -> Self::Model<B>;
+
+    /// Every Linear and every norm scale of the model, under each naming scheme.
+    fn key_tables(&self) -> (Vec<LinearKeys>, Vec<VectorKeys>);
 }
 
-impl FluxCheckpoint {
+impl TransformerConfig for FluxConfig {
+    type Model<B: Backend> = Flux<B>;
+    const MODEL: &'static str = "FLUX.1";
+    const MARKER: &'static str = "img_in.weight";
+
+    fn from_diffusers_json(file: &Path) -> Result<Self, LoadError> {
+        FluxConfig::from_diffusers_json(file)
+    }
+
+    fn from_bfl_keys<'a>(
+        file: &Path,
+        keys: impl Iterator<Item = &'a str>,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<Self, LoadError> {
+        FluxConfig::from_bfl_keys(file, keys, shape_of)
+    }
+
+    fn build<B: Kernels>(&self, device: &B::Device) -> Flux<B> {
+        self.init(device)
+    }
+
+    fn key_tables(&self) -> (Vec<LinearKeys>, Vec<VectorKeys>) {
+        (linear_keys(self), vector_keys(self))
+    }
+}
+
+/// An opened checkpoint of a FLUX-family transformer: its files, layout and configuration.
+pub struct TransformerCheckpoint<C> {
+    files: TransformerFiles,
+    config: C,
+}
+
+/// An opened FLUX.1 checkpoint.
+pub type FluxCheckpoint = TransformerCheckpoint<FluxConfig>;
+
+impl<C: TransformerConfig> TransformerCheckpoint<C> {
     /// Opens a BFL-layout `.safetensors` file (keys possibly under `model.diffusion_model.`),
     /// or a diffusers folder: a pipeline folder with `transformer/`, or the `transformer`
     /// folder itself (`config.json` and one safetensors file or a shard index). FP8 tensors
     /// (from `burnlora quantize` or ComfyUI's scaled FP8) are accepted in both.
     ///
     /// The configuration comes from `config.json`, or is inferred from a BFL file's keys
-    /// ([`FluxConfig::from_bfl_keys`]).
+    /// ([`TransformerConfig::from_bfl_keys`]).
     pub fn open(path: &Path) -> Result<Self, LoadError> {
-        let files = TransformerFiles::open(path, "img_in.weight", "FLUX.1")?;
+        let files = TransformerFiles::open(path, C::MARKER, C::MODEL)?;
         let config = match files.layout {
-            Layout::Diffusers => FluxConfig::from_diffusers_json(&files.config_json())?,
-            Layout::Bfl => {
-                FluxConfig::from_bfl_keys(path, files.bfl_keys(), |key| files.shape(key))?
-            }
+            Layout::Diffusers => C::from_diffusers_json(&files.config_json())?,
+            Layout::Bfl => C::from_bfl_keys(path, files.bfl_keys(), |key| files.shape(key))?,
         };
         Ok(Self { files, config })
     }
@@ -185,7 +239,7 @@ impl FluxCheckpoint {
     }
 
     /// The model's configuration.
-    pub fn config(&self) -> &FluxConfig {
+    pub fn config(&self) -> &C {
         &self.config
     }
 
@@ -198,21 +252,21 @@ impl FluxCheckpoint {
         &self,
         device: &B::Device,
         dtype: FloatDType,
-    ) -> Result<Flux<B>, LoadError> {
+    ) -> Result<C::Model<B>, LoadError> {
         self.load_placed(device, dtype, None)
     }
 
-    /// As [`FluxCheckpoint::load`], but every weight matrix (the projections' rank-2 weights,
-    /// in Burn's layout and in `dtype`) is handed to `place`, by parameter path, instead of
-    /// being uploaded to `device`: a model larger than the device's memory loads this way into
-    /// host memory (burn-offload's `WeightStream::streamed_tensor`). An error `place` returns
-    /// is reported as [`LoadError::Place`] naming the parameter.
+    /// As [`TransformerCheckpoint::load`], but every weight matrix (the projections' rank-2
+    /// weights, in Burn's layout and in `dtype`) is handed to `place`, by parameter path,
+    /// instead of being uploaded to `device`: a model larger than the device's memory loads
+    /// this way into host memory (burn-offload's `WeightStream::streamed_tensor`). An error
+    /// `place` returns is reported as [`LoadError::Place`] naming the parameter.
     pub fn load_with<B: Kernels>(
         &self,
         device: &B::Device,
         dtype: FloatDType,
         place: &mut PlaceWeight<'_, B>,
-    ) -> Result<Flux<B>, LoadError> {
+    ) -> Result<C::Model<B>, LoadError> {
         self.load_placed(device, dtype, Some(place))
     }
 
@@ -221,11 +275,12 @@ impl FluxCheckpoint {
         device: &B::Device,
         dtype: FloatDType,
         place: Option<&mut PlaceWeight<'_, B>>,
-    ) -> Result<Flux<B>, LoadError> {
+    ) -> Result<C::Model<B>, LoadError> {
+        let (linears, vectors) = self.config.key_tables();
         self.files.load(
-            self.config.init::<B>(device),
-            &linear_keys(&self.config),
-            &vector_keys(&self.config),
+            self.config.build::<B>(device),
+            &linears,
+            &vectors,
             device,
             dtype,
             place,

@@ -8,12 +8,11 @@ mod model;
 mod run;
 
 pub use config::FluxConfig;
-pub use keys::{LinearKeys, linear_keys, lora_names};
-pub(crate) use keys::{
-    VectorKeys, double_block_keys, final_layer_keys, layout_names, norm_keys, whole,
-};
-pub use load::{FluxCheckpoint, Layout};
-pub(crate) use load::{TransformerFiles, read_f32};
+pub(crate) use config::{check_heads, read_diffusers_json};
+pub use keys::{LinearKeys, VectorKeys, linear_keys, lora_names};
+pub(crate) use keys::{double_block_keys, final_layer_keys, layout_names, norm_keys, whole};
+pub(crate) use load::read_f32;
+pub use load::{FluxCheckpoint, Layout, TransformerCheckpoint, TransformerConfig};
 pub use model::{
     DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpActivation, MlpEmbedder,
     ModulationLinear, QkNorm, RmsNorm, SelfAttention, SingleStreamBlock,

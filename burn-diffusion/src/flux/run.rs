@@ -5,6 +5,7 @@ use burn_kernels::Kernels;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_quant::Checkpoint;
 use safetensors::tensor::TensorView;
@@ -54,36 +55,44 @@ fn read_inputs<B: Kernels>(
     dtype: FloatDType,
 ) -> Result<FluxInput<B>, LoadError> {
     let inputs = InputFile::open(file, &KEYS, "the FLUX transformer")?;
-    let (img, img_shape) = inputs.read("hidden_states", &[None, None, Some(config.in_channels)])?;
-    let [batch, img_len] = [img_shape[0], img_shape[1]];
-    let (txt, txt_shape) = inputs.read(
-        "encoder_hidden_states",
-        &[Some(batch), None, Some(config.context_in_dim)],
-    )?;
-    let txt_len = txt_shape[1];
+    let widths = [
+        config.in_channels,
+        config.context_in_dim,
+        config.axes_dim.len(),
+    ];
+    let tokens = inputs.tokens::<B>(widths, config.guidance_embed, device, dtype)?;
     let (y, _) = inputs.read(
         "pooled_projections",
-        &[Some(batch), Some(config.vec_in_dim)],
+        &[Some(tokens.batch), Some(config.vec_in_dim)],
     )?;
-    let (timesteps, _) = inputs.read("timestep", &[Some(batch)])?;
-    let guidance = inputs.guidance(config.guidance_embed, batch)?;
-    let axes = config.axes_dim.len();
-    let (img_ids, _) = inputs.read("img_ids", &[Some(img_len), Some(axes)])?;
-    let (txt_ids, _) = inputs.read("txt_ids", &[Some(txt_len), Some(axes)])?;
-
-    let options = (device, DType::from(dtype));
-    let tensor3 =
-        |v: Vec<f32>, s: [usize; 3]| Tensor::<B, 3>::from_data(TensorData::new(v, s), options);
-    let tensor1 = |v: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(v, [batch]), options);
+    let y = TensorData::new(y, [tokens.batch, config.vec_in_dim]);
     Ok(FluxInput {
-        img: tensor3(img, [batch, img_len, config.in_channels]),
-        txt: tensor3(txt, [batch, txt_len, config.context_in_dim]),
-        y: Tensor::from_data(TensorData::new(y, [batch, config.vec_in_dim]), options),
-        timesteps: tensor1(timesteps),
-        guidance: guidance.map(tensor1),
-        img_ids: TensorData::new(img_ids, [img_len, axes]),
-        txt_ids: TensorData::new(txt_ids, [txt_len, axes]),
+        img: tokens.img,
+        txt: tokens.txt,
+        y: Tensor::from_data(y, (device, DType::from(dtype))),
+        timesteps: tokens.timesteps,
+        guidance: tokens.guidance,
+        img_ids: tokens.img_ids,
+        txt_ids: tokens.txt_ids,
     })
+}
+
+/// The inputs FLUX.1 and FLUX.2 share, read from an [`InputFile`].
+pub(crate) struct Tokens<B: Backend> {
+    /// Samples in the batch.
+    pub batch: usize,
+    /// `hidden_states`.
+    pub img: Tensor<B, 3>,
+    /// `encoder_hidden_states`.
+    pub txt: Tensor<B, 3>,
+    /// `timestep`.
+    pub timesteps: Tensor<B, 1>,
+    /// `guidance`, for a model that embeds it.
+    pub guidance: Option<Tensor<B, 1>>,
+    /// `img_ids`.
+    pub img_ids: TensorData,
+    /// `txt_ids`.
+    pub txt_ids: TensorData,
 }
 
 /// A safetensors file of one forward pass's inputs, under a model's argument names.
@@ -145,9 +154,41 @@ impl InputFile {
         Ok((read_f32(&self.files, &entry)?, entry.shape.to_vec()))
     }
 
+    /// The image and text tokens, timesteps, guidance and position ids, checked against the
+    /// model's `[in_channels, context_in_dim, rotary axes]` and whether it embeds guidance,
+    /// in `dtype` on `device` (the ids on the host).
+    pub fn tokens<B: Backend>(
+        &self,
+        [in_channels, context, axes]: [usize; 3],
+        guidance_embed: bool,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<Tokens<B>, LoadError> {
+        let (img, img_shape) = self.read("hidden_states", &[None, None, Some(in_channels)])?;
+        let [batch, img_len] = [img_shape[0], img_shape[1]];
+        let (txt, txt_shape) =
+            self.read("encoder_hidden_states", &[Some(batch), None, Some(context)])?;
+        let txt_len = txt_shape[1];
+        let (timesteps, _) = self.read("timestep", &[Some(batch)])?;
+        let guidance = self.guidance(guidance_embed, batch)?;
+        let (img_ids, _) = self.read("img_ids", &[Some(img_len), Some(axes)])?;
+        let (txt_ids, _) = self.read("txt_ids", &[Some(txt_len), Some(axes)])?;
+        let options = (device, DType::from(dtype));
+        let tensor1 = |v: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(v, [batch]), options);
+        Ok(Tokens {
+            batch,
+            img: Tensor::from_data(TensorData::new(img, [batch, img_len, in_channels]), options),
+            txt: Tensor::from_data(TensorData::new(txt, [batch, txt_len, context]), options),
+            timesteps: tensor1(timesteps),
+            guidance: guidance.map(tensor1),
+            img_ids: TensorData::new(img_ids, [img_len, axes]),
+            txt_ids: TensorData::new(txt_ids, [txt_len, axes]),
+        })
+    }
+
     /// The `guidance` input `[batch]`: required when the model embeds guidance, refused when
     /// it does not.
-    pub fn guidance(&self, embedded: bool, batch: usize) -> Result<Option<Vec<f32>>, LoadError> {
+    fn guidance(&self, embedded: bool, batch: usize) -> Result<Option<Vec<f32>>, LoadError> {
         match (embedded, self.files.get("guidance").is_some()) {
             (true, _) => Ok(Some(self.read("guidance", &[Some(batch)])?.0)),
             (false, false) => Ok(None),

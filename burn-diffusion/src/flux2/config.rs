@@ -8,6 +8,7 @@ use burn::config::Config;
 use serde::Deserialize;
 
 use crate::error::LoadError;
+use crate::flux::{check_heads, read_diffusers_json};
 
 /// The shape of a FLUX.2 transformer. Field names follow BFL's; the diffusers name of each is
 /// given where it differs.
@@ -72,52 +73,16 @@ impl Flux2Config {
 
     /// Checks that the sizes agree with each other.
     pub fn validate(&self) -> Result<(), String> {
-        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
-            return Err(format!(
-                "hidden size {} is not a multiple of {} heads",
-                self.hidden_size, self.num_heads
-            ));
-        }
-        let head_dim = self.head_dim();
-        if self.axes_dim.iter().sum::<usize>() != head_dim
-            || self.axes_dim.iter().any(|a| a % 2 == 1)
-        {
-            return Err(format!(
-                "rope axes {:?} must be even and sum to the head size {head_dim}",
-                self.axes_dim
-            ));
-        }
-        Ok(())
+        check_heads(self.hidden_size, self.num_heads, &self.axes_dim)
     }
 
     /// Reads diffusers' `transformer/config.json` (`Flux2Transformer2DModel`).
     pub fn from_diffusers_json(file: &Path) -> Result<Self, LoadError> {
-        let text = std::fs::read_to_string(file).map_err(|source| LoadError::Io {
-            file: file.to_path_buf(),
-            source,
-        })?;
-        let raw: DiffusersConfig =
-            serde_json::from_str(&text).map_err(|source| LoadError::Json {
-                file: file.to_path_buf(),
-                source,
-            })?;
+        let raw: DiffusersConfig = read_diffusers_json(file, "Flux2Transformer2DModel")?;
         let error = |message: String| LoadError::Config {
             file: file.to_path_buf(),
             message,
         };
-        if let Some(class) = raw.class_name.as_deref()
-            && class != "Flux2Transformer2DModel"
-        {
-            return Err(error(format!(
-                "`_class_name` is {class}, expected Flux2Transformer2DModel"
-            )));
-        }
-        if raw.patch_size != 1 {
-            return Err(error(format!(
-                "patch_size {} is not supported (FLUX.2 uses 1)",
-                raw.patch_size
-            )));
-        }
         if raw.eps != 1e-6 {
             return Err(error(format!(
                 "eps {} is not supported (FLUX.2 uses 1e-6)",
@@ -222,10 +187,6 @@ impl Flux2Config {
 /// The fields of diffusers' `Flux2Transformer2DModel` config, with its defaults.
 #[derive(Deserialize)]
 struct DiffusersConfig {
-    #[serde(rename = "_class_name")]
-    class_name: Option<String>,
-    #[serde(default = "one")]
-    patch_size: usize,
     #[serde(default = "d_in_channels")]
     in_channels: usize,
     #[serde(default)]
@@ -252,9 +213,6 @@ struct DiffusersConfig {
     guidance_embeds: bool,
 }
 
-fn one() -> usize {
-    1
-}
 fn d_in_channels() -> usize {
     128
 }

@@ -7,12 +7,12 @@
 //! real files); files are loaded with burn-diffusion's loaders (BFL single files, diffusers
 //! folders, FP8 files). Every float parameter is brought to the model's dtype, except the VAE's.
 
-use burn::backend::flex::FlexDevice;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor};
+use burn_diffusion::BlockTape;
 use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel};
 use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig, FluxInput};
 use burn_diffusion::materialize;
@@ -20,13 +20,13 @@ use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5, image_ids, pack_la
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, Checkpointing};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
 
+use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_images_by_bucket,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -38,9 +38,6 @@ use crate::rng::Rng;
 const TINY_TOKENS: usize = 16;
 /// CLIP's caption length in the FLUX.1 pipeline.
 const CLIP_TOKENS: usize = 77;
-/// Where the noise is drawn before it is copied to the device, so that it is the same on every
-/// backend.
-const HOST: FlexDevice = FlexDevice;
 /// Images encoded by the VAE per batch (of one bucket).
 const VAE_BATCH: usize = 4;
 /// Captions encoded per batch.
@@ -211,15 +208,7 @@ impl Family for Flux1 {
     }
 
     fn base_model_name(&self, plan: &TrainPlan) -> String {
-        match &plan.model.source {
-            ModelSource::Tiny => "tiny".to_string(),
-            ModelSource::Random(shape) => format!("random:{shape}"),
-            ModelSource::Files(files) => files.get("transformer").display().to_string(),
-        }
-    }
-
-    fn cache_key(&self, plan: &TrainPlan) -> String {
-        format!("tokenizers {}\n", plan.model.tokenizers.display())
+        source_name(plan, "tiny", "transformer")
     }
 
     fn schema(&self) -> Schema {
@@ -237,23 +226,7 @@ impl Family for Flux1 {
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
         let vae = Self::vae::<B>(plan, device)?;
-        let encoded =
-            encode_images_by_bucket::<B>(dataset, items, VAE_BATCH, device, "the VAE", |images| {
-                // The VAE runs in f32; the latents are kept in the model's dtype.
-                let latents = vae
-                    .normalize_latents(vae.encode(images.cast(DType::F32)).mode())
-                    .cast(plan.model.dtype);
-                latents
-                    .iter_dim(0)
-                    .map(|latent| {
-                        let latent = latent.squeeze_dim::<3>(0).into_data();
-                        Encoded::from([(LATENT.to_string(), latent)])
-                    })
-                    .collect()
-            });
-        drop(vae);
-        B::memory_cleanup(device);
-        encoded
+        encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 
     /// When the transformer streams its weights, T5 streams too, within the same budget.
@@ -359,23 +332,16 @@ impl Family for Flux1 {
         let sigmas: Vec<f32> = (0..n)
             .map(|_| plan.train.timestep.sample_at(h * w / 4, rng) as f32)
             .collect();
-        // Drawn on the CPU, so that every backend sees the same noise.
-        Flex::seed(&HOST, rng.next_u64());
-        let noise = Tensor::<Flex, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), &HOST);
-        let noise = Tensor::<B, 3>::from_data(noise.into_data(), device);
-        let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
-        let s = sigma.clone().reshape([n, 1, 1]);
-        let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;
-        let target = noise - x0;
+        let pair = FlowPair::new(x0, sigmas, rng, device);
 
         let dtype = plan.model.dtype;
         let txt: Tensor<B, 3> = Tensor::stack(states, 0).cast(dtype);
         let txt_len = txt.dims()[1];
         let input = FluxInput {
-            img: Tensor::from_inner(x_t.cast(dtype)),
+            img: Tensor::from_inner(pair.x_t.cast(dtype)),
             txt: Tensor::from_inner(txt),
             y: Tensor::from_inner(Tensor::stack::<2>(pooled, 0).cast(dtype)),
-            timesteps: Tensor::from_inner(sigma.cast(dtype)),
+            timesteps: Tensor::from_inner(pair.sigma.cast(dtype)),
             guidance: self.config.guidance_embed.then(|| {
                 Tensor::from_inner(
                     Tensor::<B, 1>::full([n], plan.train.guidance_scale, device).cast(dtype),
@@ -384,18 +350,8 @@ impl Family for Flux1 {
             img_ids: image_ids(h, w),
             txt_ids: text_ids(txt_len),
         };
-        let checkpointing = if plan.train.gradient_checkpointing {
-            Checkpointing::Blocks
-        } else {
-            Checkpointing::Off
-        };
-        let mut tape = BlockTape::new(checkpointing);
-        let prediction = flux.forward_with(input, &mut tape).cast(DType::F32);
-        let loss = (prediction - Tensor::from_inner(target))
-            .powi_scalar(2)
-            .mean();
-        let value = loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(tape.backward(&loss, flux), flux);
-        (value, grads)
+        let mut tape = BlockTape::new(checkpointing(plan));
+        let prediction = flux.forward_with(input, &mut tape);
+        mse_gradients(prediction, pair.target, tape, flux)
     }
 }

@@ -10,12 +10,11 @@
 //! single files and FP8 files, diffusers folders, ComfyUI's separate text-encoder and VAE
 //! files).
 
-use burn::backend::flex::FlexDevice;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_diffusion::flux2::{Flux2, Flux2Checkpoint, Flux2Config, Flux2Input};
 use burn_diffusion::materialize;
 use burn_diffusion::pipeline::{
@@ -25,13 +24,14 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
 use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight, random_placed};
+use burn_diffusion::{BlockTape, PlaceWeight, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
 
+use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_images_by_bucket,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -44,8 +44,6 @@ use crate::rng::Rng;
 const TINY_TOKENS: usize = 64;
 /// The tiny decoder's stacked hidden states.
 const TINY_LAYERS: [usize; 3] = [1, 2, 3];
-/// Where the noise is drawn before it is copied to the device.
-const HOST: FlexDevice = FlexDevice;
 /// Images encoded by the VAE per batch (of one bucket).
 const VAE_BATCH: usize = 4;
 /// Captions encoded per batch.
@@ -244,15 +242,7 @@ impl Family for Flux2Family {
     }
 
     fn base_model_name(&self, plan: &TrainPlan) -> String {
-        match &plan.model.source {
-            ModelSource::Tiny => "tiny-flux2".to_string(),
-            ModelSource::Random(shape) => format!("random:{shape}"),
-            ModelSource::Files(files) => files.get("transformer").display().to_string(),
-        }
-    }
-
-    fn cache_key(&self, plan: &TrainPlan) -> String {
-        format!("flux2 tokenizers {}\n", plan.model.tokenizers.display())
+        source_name(plan, "tiny-flux2", "transformer")
     }
 
     fn schema(&self) -> Schema {
@@ -270,22 +260,7 @@ impl Family for Flux2Family {
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
         let vae = Self::vae::<B>(plan, device)?;
-        let encoded =
-            encode_images_by_bucket::<B>(dataset, items, VAE_BATCH, device, "the VAE", |images| {
-                let latents = vae
-                    .encode_latents(images.cast(DType::F32))
-                    .cast(plan.model.dtype);
-                latents
-                    .iter_dim(0)
-                    .map(|latent| {
-                        let latent = latent.squeeze_dim::<3>(0).into_data();
-                        Encoded::from([(LATENT.to_string(), latent)])
-                    })
-                    .collect()
-            });
-        drop(vae);
-        B::memory_cleanup(device);
-        encoded
+        encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 
     /// When the transformer streams its weights, the text decoder streams too, within the
@@ -400,21 +375,15 @@ impl Family for Flux2Family {
         let sigmas: Vec<f32> = (0..n)
             .map(|_| plan.train.timestep.sample_at(h * w, rng) as f32)
             .collect();
-        Flex::seed(&HOST, rng.next_u64());
-        let noise = Tensor::<Flex, 3>::random(x0.shape(), Distribution::Normal(0.0, 1.0), &HOST);
-        let noise = Tensor::<B, 3>::from_data(noise.into_data(), device);
-        let sigma = Tensor::<B, 1>::from_data(TensorData::new(sigmas, [n]), device);
-        let s = sigma.clone().reshape([n, 1, 1]);
-        let x_t = x0.clone() * (s.clone().neg() + 1.0) + noise.clone() * s;
-        let target = noise - x0;
+        let pair = FlowPair::new(x0, sigmas, rng, device);
 
         let dtype = plan.model.dtype;
         let txt: Tensor<B, 3> = Tensor::stack(states, 0).cast(dtype);
         let txt_len = txt.dims()[1];
         let input = Flux2Input {
-            img: Tensor::from_inner(x_t.cast(dtype)),
+            img: Tensor::from_inner(pair.x_t.cast(dtype)),
             txt: Tensor::from_inner(txt),
-            timesteps: Tensor::from_inner(sigma.cast(dtype)),
+            timesteps: Tensor::from_inner(pair.sigma.cast(dtype)),
             guidance: self.config.guidance_embed.then(|| {
                 Tensor::from_inner(
                     Tensor::<B, 1>::full([n], plan.train.guidance_scale, device).cast(dtype),
@@ -423,18 +392,8 @@ impl Family for Flux2Family {
             img_ids: flux2_image_ids(h, w),
             txt_ids: flux2_text_ids(txt_len),
         };
-        let checkpointing = if plan.train.gradient_checkpointing {
-            Checkpointing::Blocks
-        } else {
-            Checkpointing::Off
-        };
-        let mut tape = BlockTape::new(checkpointing);
-        let prediction = flux.forward_with(input, &mut tape).cast(DType::F32);
-        let loss = (prediction - Tensor::from_inner(target))
-            .powi_scalar(2)
-            .mean();
-        let value = loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(tape.backward(&loss, flux), flux);
-        (value, grads)
+        let mut tape = BlockTape::new(checkpointing(plan));
+        let prediction = flux.forward_with(input, &mut tape);
+        mse_gradients(prediction, pair.target, tape, flux)
     }
 }

@@ -9,6 +9,7 @@
 //! each LoRA file format. What a family caches is named tensors ([`Encoded`]): the cache keeps
 //! whatever the family's encoders return, under the family's names.
 
+mod flow;
 mod flux1;
 mod flux2;
 
@@ -18,7 +19,8 @@ use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_diffusion::vae::AutoencoderKl;
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
@@ -124,9 +126,11 @@ pub trait Family: Sized {
     /// The name recorded as the LoRA file's base model.
     fn base_model_name(&self, plan: &TrainPlan) -> String;
 
-    /// What the cache key must cover besides the items and the model source: anything else the
-    /// encodings depend on (caption lengths, tokenizer files).
-    fn cache_key(&self, plan: &TrainPlan) -> String;
+    /// What the cache key must cover besides the items, the architecture and the model source:
+    /// anything else the encodings depend on; by default the tokenizer folder.
+    fn cache_key(&self, plan: &TrainPlan) -> String {
+        format!("tokenizers {}\n", plan.model.tokenizers.display())
+    }
 
     /// The names of an image's encodings and of a caption's, as the encoders return them.
     fn schema(&self) -> Schema;
@@ -227,6 +231,46 @@ pub fn encode_images_by_bucket<B: Kernels>(
         .into_iter()
         .map(|e| e.expect("every item encoded"))
         .collect())
+}
+
+/// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in f32, kept in the
+/// model's dtype) of the images of `items`, `batch` images at a time, each under `name`; the
+/// VAE is dropped before returning.
+pub fn encode_vae_latents<B: Kernels>(
+    vae: AutoencoderKl<B>,
+    plan: &TrainPlan,
+    dataset: &Dataset,
+    items: &[usize],
+    batch: usize,
+    name: &str,
+    device: &B::Device,
+) -> Result<Vec<Encoded>, TrainError> {
+    let encoded =
+        encode_images_by_bucket::<B>(dataset, items, batch, device, "the VAE", |images| {
+            let latents = vae
+                .encode_latents(images.cast(DType::F32))
+                .cast(plan.model.dtype);
+            latents
+                .iter_dim(0)
+                .map(|latent| {
+                    let latent = latent.squeeze_dim::<3>(0).into_data();
+                    Encoded::from([(name.to_string(), latent)])
+                })
+                .collect()
+        });
+    drop(vae);
+    B::memory_cleanup(device);
+    encoded
+}
+
+/// The name a LoRA file records as its base model: `tiny` for the tiny model, `random:<shape>`,
+/// or the file of `component` (the denoiser).
+pub fn source_name(plan: &TrainPlan, tiny: &str, component: &str) -> String {
+    match &plan.model.source {
+        ModelSource::Tiny => tiny.to_string(),
+        ModelSource::Random(shape) => format!("random:{shape}"),
+        ModelSource::Files(files) => files.get(component).display().to_string(),
+    }
 }
 
 /// An error when `data`, `encoder`'s encoding of the caption `text`, is not finite.

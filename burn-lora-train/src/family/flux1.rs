@@ -26,12 +26,13 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, source_name,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
+    encoder_stream, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
 use crate::error::TrainError;
-use crate::models::{built_on_host, float_dtype, offload_config};
+use crate::models::{built_on_host, float_dtype};
 use crate::rng::Rng;
 
 /// Caption length of the tiny model's CLIP and T5.
@@ -240,22 +241,12 @@ impl Family for Flux1 {
         let clip_tokenizer =
             CaptionTokenizer::clip(&folder.join("tokenizer"), Self::clip_tokens(plan))?;
         let t5_tokenizer = CaptionTokenizer::t5(&folder.join("tokenizer_2"), self.t5_tokens(plan))?;
-        let stream = offload_config(plan)
-            .map(|config| WeightStream::<Offload<B>>::new(device, config))
-            .transpose()?;
+        let stream = encoder_stream::<B>(plan, device)?;
         let (clip, t5) = Self::text_encoders::<B>(plan, device, stream.as_ref())?;
         let pooled = encode_clip_pooled(&clip_tokenizer, clip, texts, TEXT_BATCH)?;
-        if let Some(stream) = &stream {
-            stream.begin_step();
-        }
-        let states = encode_t5(&t5_tokenizer, t5, texts, TEXT_BATCH)?;
-        if let Some(stream) = &stream {
-            let stats = stream.end_step();
-            tracing::info!(
-                "T5 streamed {:.2} GB from host memory",
-                stats.bytes_uploaded as f64 / 1e9
-            );
-        }
+        let states = streamed(stream.as_ref(), "T5", || {
+            encode_t5(&t5_tokenizer, t5, texts, TEXT_BATCH)
+        })?;
         pooled
             .into_iter()
             .zip(states)

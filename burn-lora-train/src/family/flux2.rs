@@ -31,12 +31,13 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, source_name,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
+    encoder_stream, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
 use crate::error::TrainError;
-use crate::models::{built_on_host, float_dtype, offload_config};
+use crate::models::{built_on_host, float_dtype};
 use crate::rng::Rng;
 
 /// Prompt length of the tiny model's text decoder: its tokenizer's prompts of the tiny
@@ -271,9 +272,7 @@ impl Family for Flux2Family {
         texts: &[&str],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let stream = offload_config(plan)
-            .map(|config| WeightStream::<Offload<B>>::new(device, config))
-            .transpose()?;
+        let stream = encoder_stream::<B>(plan, device)?;
         let (decoder, model) = self.text_decoder::<B>(plan, device, stream.as_ref())?;
         let folder = plan.model.tokenizers.join("tokenizer");
         let length = Self::text_tokens(plan);
@@ -288,17 +287,9 @@ impl Family for Flux2Family {
                 &FLUX2_KLEIN_LAYERS,
             ),
         };
-        if let Some(stream) = &stream {
-            stream.begin_step();
-        }
-        let states = encode_flux2_text(&tokenizer, decoder, texts, layers, TEXT_BATCH)?;
-        if let Some(stream) = &stream {
-            let stats = stream.end_step();
-            tracing::info!(
-                "the text decoder streamed {:.2} GB from host memory",
-                stats.bytes_uploaded as f64 / 1e9
-            );
-        }
+        let states = streamed(stream.as_ref(), "the text decoder", || {
+            encode_flux2_text(&tokenizer, decoder, texts, layers, TEXT_BATCH)
+        })?;
         states
             .into_iter()
             .zip(texts)

@@ -263,6 +263,37 @@ pub fn encode_vae_latents<B: Kernels>(
     encoded
 }
 
+/// The weight stream the text encoders load into when the denoiser streams (the run's
+/// `model.offload` or `model.quantize`), else `None`.
+pub fn encoder_stream<B: StreamTarget>(
+    plan: &TrainPlan,
+    device: &B::Device,
+) -> Result<Option<WeightStream<Offload<B>>>, TrainError> {
+    Ok(crate::models::offload_config(plan)
+        .map(|config| WeightStream::<Offload<B>>::new(device, config))
+        .transpose()?)
+}
+
+/// Runs `encode` as one step of `stream` (when the encoder streams), logging how many bytes
+/// `encoder` streamed from host memory.
+pub fn streamed<B: StreamTarget, T>(
+    stream: Option<&WeightStream<Offload<B>>>,
+    encoder: &str,
+    encode: impl FnOnce() -> T,
+) -> T {
+    let Some(stream) = stream else {
+        return encode();
+    };
+    stream.begin_step();
+    let out = encode();
+    let stats = stream.end_step();
+    tracing::info!(
+        "{encoder} streamed {:.2} GB from host memory",
+        stats.bytes_uploaded as f64 / 1e9
+    );
+    out
+}
+
 /// The name a LoRA file records as its base model: `tiny` for the tiny model, `random:<shape>`,
 /// or the file of `component` (the denoiser).
 pub fn source_name(plan: &TrainPlan, tiny: &str, component: &str) -> String {

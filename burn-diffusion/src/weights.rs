@@ -486,6 +486,28 @@ fn uniform_matrix(shape: &[usize], dtype: FloatDType, seed: u64) -> TensorData {
     }
 }
 
+/// Every float parameter of `module`, by path, with its shape (without creating it).
+#[cfg(test)]
+pub(crate) fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    use burn::module::ModuleVisitor;
+    struct Paths(Vec<String>, Vec<(String, Vec<usize>)>);
+    impl<B: Backend> ModuleVisitor<B> for Paths {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.1
+                .push((self.0.join("."), param.lazy_shape().as_slice().to_vec()));
+        }
+    }
+    let mut paths = Paths(Vec::new(), Vec::new());
+    module.visit(&mut paths);
+    paths.1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

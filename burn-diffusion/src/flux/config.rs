@@ -1,7 +1,6 @@
 //! FLUX.1 hyperparameters: the two presets, diffusers' `config.json`, and inference from the
 //! tensor shapes of a BFL file.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use burn::config::Config;
@@ -9,7 +8,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::LoadError;
-use crate::weights::read_json;
+use crate::weights::{numbered, read_json};
 
 /// The shape of a FLUX.1 transformer. Field names follow BFL's `FluxParams`; the diffusers name
 /// of each is given where it differs.
@@ -128,31 +127,15 @@ impl FluxConfig {
                 ))),
             }
         };
-        let mut doubles = BTreeSet::new();
-        let mut singles = BTreeSet::new();
-        let mut guidance = false;
-        for key in keys {
-            let mut parts = key.split('.');
-            match (parts.next(), parts.next().map(str::parse::<usize>)) {
-                (Some("double_blocks"), Some(Ok(i))) => {
-                    doubles.insert(i);
-                }
-                (Some("single_blocks"), Some(Ok(i))) => {
-                    singles.insert(i);
-                }
-                (Some("guidance_in"), _) => guidance = true,
-                _ => {}
-            }
-        }
-        let count = |set: &BTreeSet<usize>| set.last().map_or(0, |last| last + 1);
+        let blocks = BflBlocks::count(keys);
         let img_in = dims("img_in.weight", 2)?;
         let hidden = img_in[0];
-        let head_dim = if doubles.is_empty() {
+        let head_dim = if blocks.double == 0 {
             dims("single_blocks.0.norm.query_norm.scale", 1)?[0]
         } else {
             dims("double_blocks.0.img_attn.norm.query_norm.scale", 1)?[0]
         };
-        let mlp_hidden = if doubles.is_empty() {
+        let mlp_hidden = if blocks.double == 0 {
             dims("single_blocks.0.linear1.weight", 2)?[0].saturating_sub(3 * hidden)
         } else {
             dims("double_blocks.0.img_mlp.0.weight", 2)?[0]
@@ -170,14 +153,36 @@ impl FluxConfig {
             hidden_size: hidden,
             mlp_ratio: mlp_hidden as f64 / hidden as f64,
             num_heads: hidden / head_dim,
-            depth: count(&doubles),
-            depth_single_blocks: count(&singles),
+            depth: blocks.double,
+            depth_single_blocks: blocks.single,
             axes_dim: Self::rope_axes_for_head_dim(head_dim),
             theta: 10000.0,
-            guidance_embed: guidance,
+            guidance_embed: blocks.guidance,
         };
         config.validate().map_err(error)?;
         Ok(config)
+    }
+}
+
+/// What a BFL file's keys say of a FLUX transformer's blocks.
+pub(crate) struct BflBlocks {
+    /// Double-stream blocks: one more than the largest `double_blocks.N`.
+    pub double: usize,
+    /// Single-stream blocks.
+    pub single: usize,
+    /// Whether `guidance_in` is there.
+    pub guidance: bool,
+}
+
+impl BflBlocks {
+    /// Counts the blocks among `keys` (without prefix).
+    pub fn count<'a>(keys: impl Iterator<Item = &'a str>) -> Self {
+        let keys: Vec<&str> = keys.collect();
+        Self {
+            double: numbered(keys.iter().copied(), "double_blocks."),
+            single: numbered(keys.iter().copied(), "single_blocks."),
+            guidance: keys.iter().any(|k| k.starts_with("guidance_in.")),
+        }
     }
 }
 

@@ -433,27 +433,8 @@ mod tests {
         }
     }
 
-    /// Every float parameter of the Burn model, by path, with its shape (without initializing it).
     fn model_params(config: &FluxConfig) -> Vec<(String, Vec<usize>)> {
-        use burn::backend::Flex;
-        use burn::module::{Module, ModuleVisitor, Param};
-        use burn::tensor::Tensor;
-        struct Paths(Vec<String>, Vec<(String, Vec<usize>)>);
-        impl ModuleVisitor<Flex> for Paths {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.0.push(name.to_string());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.0.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
-                self.1
-                    .push((self.0.join("."), param.lazy_shape().as_slice().to_vec()));
-            }
-        }
-        let mut paths = Paths(Vec::new(), Vec::new());
-        config.init::<Flex>(&Default::default()).visit(&mut paths);
-        paths.1
+        crate::weights::param_shapes(&config.init::<burn::backend::Flex>(&Default::default()))
     }
 
     #[test]

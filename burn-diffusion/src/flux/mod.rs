@@ -8,7 +8,7 @@ mod model;
 mod run;
 
 pub use config::FluxConfig;
-pub(crate) use config::{check_heads, read_diffusers_json};
+pub(crate) use config::{BflBlocks, check_heads, read_diffusers_json};
 pub use keys::{LinearKeys, VectorKeys, linear_keys, lora_names};
 pub(crate) use keys::{double_block_keys, final_layer_keys, layout_names, norm_keys, whole};
 pub(crate) use load::read_f32;

@@ -1,14 +1,13 @@
 //! FLUX.2 hyperparameters: the presets, diffusers' `config.json`, and inference from the tensor
 //! shapes of a BFL file.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use burn::config::Config;
 use serde::Deserialize;
 
 use crate::error::LoadError;
-use crate::flux::{check_heads, read_diffusers_json};
+use crate::flux::{BflBlocks, check_heads, read_diffusers_json};
 
 /// The shape of a FLUX.2 transformer. Field names follow BFL's; the diffusers name of each is
 /// given where it differs.
@@ -128,35 +127,19 @@ impl Flux2Config {
                 ))
             })
         };
-        let mut doubles = BTreeSet::new();
-        let mut singles = BTreeSet::new();
-        let mut guidance = false;
-        for key in keys {
-            let mut parts = key.split('.');
-            match (parts.next(), parts.next().map(str::parse::<usize>)) {
-                (Some("double_blocks"), Some(Ok(i))) => {
-                    doubles.insert(i);
-                }
-                (Some("single_blocks"), Some(Ok(i))) => {
-                    singles.insert(i);
-                }
-                (Some("guidance_in"), _) => guidance = true,
-                _ => {}
-            }
-        }
-        let count = |set: &BTreeSet<usize>| set.last().map_or(0, |last| last + 1);
+        let blocks = BflBlocks::count(keys);
         let img_in = dims("img_in.weight")?;
         let [hidden, in_channels] = img_in[..] else {
             return Err(error(format!(
                 "`img_in.weight` is {img_in:?}, expected rank 2"
             )));
         };
-        let head_dim = if doubles.is_empty() {
+        let head_dim = if blocks.double == 0 {
             dims("single_blocks.0.norm.query_norm.scale")?[0]
         } else {
             dims("double_blocks.0.img_attn.norm.query_norm.scale")?[0]
         };
-        let mlp_hidden = if doubles.is_empty() {
+        let mlp_hidden = if blocks.double == 0 {
             dims("single_blocks.0.linear1.weight")?[0].saturating_sub(3 * hidden) / 2
         } else {
             dims("double_blocks.0.img_mlp.0.weight")?[0] / 2
@@ -173,11 +156,11 @@ impl Flux2Config {
             hidden_size: hidden,
             mlp_ratio: mlp_hidden as f64 / hidden as f64,
             num_heads: hidden / head_dim,
-            depth: count(&doubles),
-            depth_single_blocks: count(&singles),
+            depth: blocks.double,
+            depth_single_blocks: blocks.single,
             axes_dim: vec![head_dim / 4; 4],
             theta: 2000.0,
-            guidance_embed: guidance,
+            guidance_embed: blocks.guidance,
         };
         config.validate().map_err(error)?;
         Ok(config)

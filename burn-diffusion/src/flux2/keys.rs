@@ -109,31 +109,13 @@ pub fn lora_names(config: &Flux2Config) -> LayoutNames {
 mod tests {
     use super::*;
     use burn::backend::Flex;
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
 
     fn tiny(guidance_embed: bool) -> Flux2Config {
         Flux2Config::new(16, 16, 24, 64, 2, 2, 1, vec![8; 4], guidance_embed)
     }
 
-    /// Every float parameter of the Burn model, by path, with its shape.
     fn model_params(config: &Flux2Config) -> Vec<(String, Vec<usize>)> {
-        struct Paths(Vec<String>, Vec<(String, Vec<usize>)>);
-        impl ModuleVisitor<Flex> for Paths {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.0.push(name.to_string());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.0.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Flex, D>>) {
-                self.1
-                    .push((self.0.join("."), param.lazy_shape().as_slice().to_vec()));
-            }
-        }
-        let mut paths = Paths(Vec::new(), Vec::new());
-        config.init::<Flex>(&Default::default()).visit(&mut paths);
-        paths.1
+        crate::weights::param_shapes(&config.init::<Flex>(&Default::default()))
     }
 
     #[test]

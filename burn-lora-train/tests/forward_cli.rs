@@ -1,0 +1,62 @@
+//! `burnlora forward` as a user runs it, on burn-diffusion's parity fixtures: it recognises a
+//! FLUX.1 or a FLUX.2 checkpoint from its files and writes diffusers' output.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
+
+fn fixture(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../burn-diffusion/tests/fixtures")
+        .join(path)
+}
+
+fn read(file: &Path, key: &str) -> Vec<f32> {
+    let files = Checkpoint::open(file).unwrap();
+    let entry = files.get(key).unwrap();
+    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
+    FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec()
+}
+
+#[test]
+fn forward_runs_either_family_from_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    for case in ["flux/guidance", "flux2/dev", "flux2/klein/flux2-bfl.safetensors"] {
+        let model = fixture(case);
+        let folder = if model.is_dir() {
+            model.clone()
+        } else {
+            model.parent().unwrap().to_path_buf()
+        };
+        let output = dir.path().join("out.safetensors");
+        let out = Command::new(env!("CARGO_BIN_EXE_burnlora"))
+            .arg("forward")
+            .arg("--model")
+            .arg(&model)
+            .arg("--inputs")
+            .arg(folder.join("inputs_0.safetensors"))
+            .arg("--output")
+            .arg(&output)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (found, expected) = (
+            read(&output, "output"),
+            read(&folder.join("output_0.safetensors"), "output"),
+        );
+        assert_eq!(found.len(), expected.len(), "{case}");
+        let diff: f64 = found
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+            .sum();
+        let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
+        let error = (diff / norm).sqrt();
+        assert!(error <= 1e-5, "{case}: relative error {error:.2e}");
+    }
+}

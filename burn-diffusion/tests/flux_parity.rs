@@ -449,3 +449,40 @@ fn flux2_refuses_a_flux1_file_and_guidance_it_has_no_embedding_for() {
         "{error}"
     );
 }
+
+#[test]
+fn flux2_bad_keys_are_reported_at_once_with_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Checkpoint::open(&FLUX2.case("klein").join("flux2-bfl.safetensors")).unwrap();
+    let mut tensors = Vec::new();
+    for t in source.tensors() {
+        let name = match t.name {
+            "double_stream_modulation_txt.lin.weight" => continue,
+            "single_blocks.2.linear2.weight" => "single_blocks.2.linear_2.weight",
+            name => name,
+        };
+        tensors.push((
+            name.to_string(),
+            safetensors::tensor::TensorView::new(t.dtype, t.shape.to_vec(), t.data).unwrap(),
+        ));
+    }
+    let file = dir.path().join("broken-flux2.safetensors");
+    safetensors::serialize_to_file(tensors, None, &file).unwrap();
+    let error = Flux2Checkpoint::open(&file)
+        .unwrap()
+        .load::<Flex>(&Default::default(), FloatDType::F32)
+        .map(|_| ())
+        .unwrap_err();
+    let LoadError::Keys { report, .. } = &error else {
+        panic!("expected a key report, got {error}");
+    };
+    assert_eq!(
+        report.missing,
+        [
+            "double_stream_modulation_txt.lin.weight",
+            "single_blocks.2.linear2.weight"
+        ]
+    );
+    assert_eq!(report.unexpected, ["single_blocks.2.linear_2.weight"]);
+    assert!(error.to_string().contains("broken-flux2.safetensors"), "{error}");
+}

@@ -484,5 +484,8 @@ fn flux2_bad_keys_are_reported_at_once_with_the_file() {
         ]
     );
     assert_eq!(report.unexpected, ["single_blocks.2.linear_2.weight"]);
-    assert!(error.to_string().contains("broken-flux2.safetensors"), "{error}");
+    assert!(
+        error.to_string().contains("broken-flux2.safetensors"),
+        "{error}"
+    );
 }

@@ -22,7 +22,11 @@ fn read(file: &Path, key: &str) -> Vec<f32> {
 #[test]
 fn forward_runs_either_family_from_its_files() {
     let dir = tempfile::tempdir().unwrap();
-    for case in ["flux/guidance", "flux2/dev", "flux2/klein/flux2-bfl.safetensors"] {
+    for case in [
+        "flux/guidance",
+        "flux2/dev",
+        "flux2/klein/flux2-bfl.safetensors",
+    ] {
         let model = fixture(case);
         let folder = if model.is_dir() {
             model.clone()

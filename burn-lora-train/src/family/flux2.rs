@@ -136,6 +136,7 @@ impl Flux2Family {
 
     /// The VAE, on `device` in f32 whatever the model's dtype (as FLUX.1's).
     fn vae<B: Kernels>(
+        &self,
         plan: &TrainPlan,
         device: &B::Device,
     ) -> Result<AutoencoderKl<B>, TrainError> {
@@ -159,9 +160,45 @@ impl Flux2Family {
             }
             ModelSource::Random(_) => materialize(VaeConfig::flux2().init::<B>(device), dtype),
             ModelSource::Files(files) => {
-                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
+                let path = files.get("vae");
+                let checkpoint = VaeCheckpoint::open(path)?;
+                let config = checkpoint.config();
+                let patch = config.batch_norm.as_ref().map_or(1, |bn| bn.patch_size);
+                let channels = config.latent_channels * patch * patch;
+                self.check_width(
+                    path,
+                    "VAE",
+                    "in_channels",
+                    channels,
+                    self.config.in_channels,
+                )?;
+                checkpoint.load(device, dtype)?
             }
         })
+    }
+
+    /// An error naming `file` when its `model` gives `found` values per token where the
+    /// transformer reads `expected` (its `field`): a VAE or text decoder of another FLUX.2.
+    fn check_width(
+        &self,
+        file: &std::path::Path,
+        model: &str,
+        field: &str,
+        found: usize,
+        expected: usize,
+    ) -> Result<(), TrainError> {
+        if found == expected {
+            return Ok(());
+        }
+        Err(burn_diffusion::LoadError::Config {
+            file: file.to_path_buf(),
+            message: format!(
+                "this {model} gives {found} values per token, the transformer reads {expected} \
+                 ({field}); FLUX.2-dev pairs with Mistral-Small-3, klein 4B with Qwen3-4B, \
+                 klein 9B with Qwen3-8B, all with the FLUX.2 VAE"
+            ),
+        }
+        .into())
     }
 
     /// The text decoder in the model's dtype and which one it is; with a `stream`, its
@@ -215,6 +252,9 @@ impl Flux2Family {
                     Some(_) => TextDecoder::load_with(path, device, dtype, &mut place)?,
                     None => TextDecoder::load(path, device, dtype)?,
                 };
+                let hidden = decoder.config().hidden_size;
+                let context = self.config.context_in_dim;
+                self.check_width(path, "text decoder", "context_in_dim", 3 * hidden, context)?;
                 let model = if decoder.config().qk_norm {
                     TextModel::Qwen3
                 } else {
@@ -260,7 +300,7 @@ impl Family for Flux2Family {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = Self::vae::<B>(plan, device)?;
+        let vae = self.vae::<B>(plan, device)?;
         encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 

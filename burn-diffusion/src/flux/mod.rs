@@ -17,6 +17,8 @@ pub use model::{
     DoubleStreamBlock, Flux, FluxInput, LastLayer, Mlp, MlpActivation, MlpEmbedder,
     ModulationLinear, QkNorm, RmsNorm, SelfAttention, SingleStreamBlock,
 };
-pub(crate) use model::{Parallel, Stream, TIME_DIM, TIME_FACTOR, double_stream, linear, rope, two};
+pub(crate) use model::{
+    Parallel, Stream, TIME_DIM, double_stream, linear, rope, time_guidance, two,
+};
 pub use run::forward_file;
 pub(crate) use run::{InputFile, write_output};

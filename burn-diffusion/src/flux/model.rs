@@ -22,7 +22,7 @@ const EPS: f64 = 1e-6;
 /// Width of the sinusoidal timestep and guidance embeddings.
 pub(crate) const TIME_DIM: usize = 256;
 /// Timesteps and guidance strengths are multiplied by this before their embedding.
-pub(crate) const TIME_FACTOR: f64 = 1000.0;
+const TIME_FACTOR: f64 = 1000.0;
 
 /// The FLUX.1 transformer (dev or schnell, or any size of the same shape).
 ///
@@ -126,15 +126,14 @@ impl<B: Kernels> Flux<B> {
         runner: &mut R,
     ) -> Tensor<B, 3> {
         let dtype = input.img.dtype();
-        let embed_time = |t: Tensor<B, 1>| timestep_embedding(t, TIME_DIM, TIME_FACTOR).cast(dtype);
         let img = self.img_in.forward(input.img);
-        let mut vec = self.time_in.forward(embed_time(input.timesteps));
-        if let Some(guidance_in) = &self.guidance_in {
-            let guidance = input
-                .guidance
-                .expect("this FLUX model embeds guidance: FluxInput::guidance is required");
-            vec = vec + guidance_in.forward(embed_time(guidance));
-        }
+        let vec = time_guidance(
+            &self.time_in,
+            self.guidance_in.as_ref(),
+            input.timesteps,
+            input.guidance,
+            dtype,
+        );
         let vec = vec + self.vector_in.forward(input.y);
         let txt = self.txt_in.forward(input.txt);
         let pe = rope(
@@ -159,6 +158,30 @@ impl<B: Kernels> Flux<B> {
             });
         }
         self.final_layer.forward(img, vec)
+    }
+}
+
+/// The conditioning vector of the timesteps σ, plus that of the guidance strengths when the
+/// model embeds them (`guidance_in`): each scaled by 1000 and embedded sinusoidally in `dtype`.
+///
+/// # Panics
+/// If the model embeds guidance and `guidance` is `None`.
+pub(crate) fn time_guidance<B: Kernels>(
+    time_in: &MlpEmbedder<B>,
+    guidance_in: Option<&MlpEmbedder<B>>,
+    timesteps: Tensor<B, 1>,
+    guidance: Option<Tensor<B, 1>>,
+    dtype: burn::tensor::DType,
+) -> Tensor<B, 2> {
+    let embed = |t: Tensor<B, 1>| timestep_embedding(t, TIME_DIM, TIME_FACTOR).cast(dtype);
+    let vec = time_in.forward(embed(timesteps));
+    match guidance_in {
+        Some(guidance_in) => {
+            let guidance =
+                guidance.expect("this model embeds guidance: the guidance input is required");
+            vec + guidance_in.forward(embed(guidance))
+        }
+        None => vec,
     }
 }
 

@@ -14,11 +14,11 @@ use burn_kernels::Kernels;
 use burn_lora::LoraLinear;
 
 use super::Flux2Config;
-use crate::blocks::{Modulation, Rope, timestep_embedding};
+use crate::blocks::{Modulation, Rope};
 use crate::checkpointing::{BlockRunner, Direct};
 use crate::flux::{
     LastLayer, Mlp, MlpActivation, MlpEmbedder, ModulationLinear, Parallel, QkNorm, SelfAttention,
-    Stream, TIME_DIM, TIME_FACTOR, double_stream, linear, rope, two,
+    Stream, TIME_DIM, double_stream, linear, rope, time_guidance, two,
 };
 
 /// The FLUX.2 transformer (dev, klein, or any size of the same shape).
@@ -128,14 +128,13 @@ impl<B: Kernels> Flux2<B> {
         runner: &mut R,
     ) -> Tensor<B, 3> {
         let dtype = input.img.dtype();
-        let embed_time = |t: Tensor<B, 1>| timestep_embedding(t, TIME_DIM, TIME_FACTOR).cast(dtype);
-        let mut vec = self.time_in.forward(embed_time(input.timesteps));
-        if let Some(guidance_in) = &self.guidance_in {
-            let guidance = input
-                .guidance
-                .expect("this FLUX.2 model embeds guidance: Flux2Input::guidance is required");
-            vec = vec + guidance_in.forward(embed_time(guidance));
-        }
+        let vec = time_guidance(
+            &self.time_in,
+            self.guidance_in.as_ref(),
+            input.timesteps,
+            input.guidance,
+            dtype,
+        );
         let modulations = (
             self.double_stream_modulation_img.project(vec.clone()),
             self.double_stream_modulation_txt.project(vec.clone()),

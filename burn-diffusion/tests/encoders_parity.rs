@@ -13,46 +13,17 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::{CLIP_LENGTH, CaptionTokenizer, T5_LENGTH_DEV, T5_LENGTH_SCHNELL};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig, VaeLayout};
-use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
+use burn_quant::Checkpoint;
 
 type B = Flex;
 
-/// Relative error required in f32.
-const F32_TOLERANCE: f64 = 1e-5;
-/// Relative error allowed for a bf16 run against the f32 reference: it only guards against
-/// gross errors (mixed dtypes, a norm or softmax computed in bf16 where it must not be).
-const BF16_TOLERANCE: f64 = 3e-2;
+mod common;
 
-fn fixture(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(path)
-}
-
-/// A float tensor of a fixture file, as f32, with its shape.
-fn read(file: &Path, key: &str) -> (Vec<f32>, Vec<usize>) {
-    let files = Checkpoint::open(file).unwrap();
-    let entry = files
-        .get(key)
-        .unwrap_or_else(|| panic!("{}: no `{key}`", file.display()));
-    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
-    let values = FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec();
-    (values, entry.shape.to_vec())
-}
+use common::{BF16_TOLERANCE, F32_TOLERANCE, assert_within, read};
 
 /// An i64 tensor of a fixture file as an Int tensor.
 fn read_ids(file: &Path, key: &str) -> Tensor<B, 2, Int> {
-    let files = Checkpoint::open(file).unwrap();
-    let entry = files.get(key).unwrap();
-    let ids: Vec<i64> = entry
-        .data
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    Tensor::from_data(
-        TensorData::new(ids, entry.shape.to_vec()),
-        &Default::default(),
-    )
+    Tensor::from_data(common::read_i64(file, key), &Default::default())
 }
 
 fn tensor<const D: usize>(file: &Path, key: &str) -> Tensor<B, D> {
@@ -60,29 +31,13 @@ fn tensor<const D: usize>(file: &Path, key: &str) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values, shape), &Default::default())
 }
 
-/// Checks `actual` against the reference `key` of `file`: same shape, relative error
-/// `‖a - b‖ / ‖b‖` (`‖a‖` for a zero reference) within the f32 tolerance.
-fn assert_matches(actual: TensorData, file: &Path, key: &str) {
-    assert_within(actual, file, key, F32_TOLERANCE);
+fn fixture(path: &str) -> PathBuf {
+    common::fixture(path)
 }
 
-fn assert_within(actual: TensorData, file: &Path, key: &str, tolerance: f64) {
-    let (expected, shape) = read(file, key);
-    assert_eq!(actual.shape.to_vec(), shape, "{key}: shape");
-    let actual = actual.convert::<f32>().to_vec::<f32>().unwrap();
-    let diff: f64 = actual
-        .iter()
-        .zip(&expected)
-        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-        .sum();
-    let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
-    let error = if norm == 0.0 {
-        diff.sqrt()
-    } else {
-        (diff / norm).sqrt()
-    };
-    println!("{key}: relative error {error:.2e}");
-    assert!(error <= tolerance, "{key}: relative error {error:.2e}");
+/// Checks `actual` against the reference `key` of `file` within the f32 tolerance.
+fn assert_matches(actual: TensorData, file: &Path, key: &str) {
+    assert_within(actual, file, key, F32_TOLERANCE);
 }
 
 fn check_vae(vae: &AutoencoderKl<B>, io: &Path) {

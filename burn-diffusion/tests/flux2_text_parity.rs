@@ -11,71 +11,36 @@ use burn_diffusion::LoadError;
 use burn_diffusion::pipeline::encode_flux2_text;
 use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
 use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
-use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
 
 type B = Flex;
 
-/// Relative error required in f32.
-const F32_TOLERANCE: f64 = 1e-5;
-/// Relative error allowed for a bf16 run against the references: it only guards against gross
-/// errors (a norm, softmax or rotation computed in bf16 where it must not be).
-const BF16_TOLERANCE: f64 = 3e-2;
+mod common;
+
+use common::{BF16_TOLERANCE, F32_TOLERANCE};
+
 /// The hidden states the fixtures stack (FLUX.2's three, scaled to four layers).
 const LAYERS: [usize; 3] = [1, 2, 3];
 /// The prompt length of the fixtures' embeddings.
 const LENGTH: usize = 96;
 
 fn fixture(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/flux2_text")
-        .join(path)
+    common::fixture("flux2_text").join(path)
 }
 
 fn expected() -> PathBuf {
     fixture("expected.safetensors")
 }
 
-/// A float tensor of the reference file, as f32, with its shape.
-fn read(key: &str) -> (Vec<f32>, Vec<usize>) {
-    let files = Checkpoint::open(&expected()).unwrap();
-    let entry = files.get(key).unwrap_or_else(|| panic!("no `{key}`"));
-    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
-    let values = FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec();
-    (values, entry.shape.to_vec())
-}
-
 /// An i64 tensor of the reference file as an Int tensor.
 fn read_ints(key: &str) -> Tensor<B, 2, Int> {
-    let files = Checkpoint::open(&expected()).unwrap();
-    let entry = files.get(key).unwrap();
-    let values: Vec<i64> = entry
-        .data
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    Tensor::from_data(
-        TensorData::new(values, entry.shape.to_vec()),
-        &Default::default(),
-    )
+    Tensor::from_data(common::read_i64(&expected(), key), &Default::default())
 }
 
-/// Checks `actual` against the reference `key`: same shape, relative error `‖a - b‖ / ‖b‖`
-/// within `tolerance`.
+/// Checks `actual` against the reference `key` within `tolerance`.
 fn assert_within(actual: TensorData, key: &str, tolerance: f64) {
-    let (expected, shape) = read(key);
-    assert_eq!(actual.shape.to_vec(), shape, "{key}: shape");
-    let actual = actual.convert::<f32>().to_vec::<f32>().unwrap();
-    let diff: f64 = actual
-        .iter()
-        .zip(&expected)
-        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-        .sum();
-    let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
-    let error = (diff / norm).sqrt();
-    println!("{key}: relative error {error:.2e}");
-    assert!(error <= tolerance, "{key}: relative error {error:.2e}");
+    common::assert_within(actual, &expected(), key, tolerance);
 }
 
 /// Per-caption results stacked on a new first axis.

@@ -14,67 +14,33 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::vae::{
     AutoencoderKl, LatentBatchNormConfig, VaeCheckpoint, VaeConfig, VaeLayout,
 };
-use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
+use burn_quant::Checkpoint;
 
 type B = Flex;
 
-/// Relative error required in f32.
-const TOLERANCE: f64 = 1e-5;
+mod common;
 
 fn fixture(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/vae_flux2")
-        .join(path)
+    common::fixture("vae_flux2").join(path)
 }
 
 fn io() -> PathBuf {
     fixture("io.safetensors")
 }
 
-/// A float tensor of the io file as f32, with its shape.
-fn read(key: &str) -> (Vec<f32>, Vec<usize>) {
-    let file = io();
-    let files = Checkpoint::open(&file).unwrap();
-    let entry = files
-        .get(key)
-        .unwrap_or_else(|| panic!("{}: no `{key}`", file.display()));
-    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
-    let values = FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec();
-    (values, entry.shape.to_vec())
-}
-
 fn tensor<const D: usize>(key: &str) -> Tensor<B, D> {
-    let (values, shape) = read(key);
+    let (values, shape) = common::read(&io(), key);
     Tensor::from_data(TensorData::new(values, shape), &Default::default())
 }
 
 /// An i64 tensor of the io file.
 fn read_ids(key: &str) -> TensorData {
-    let files = Checkpoint::open(&io()).unwrap();
-    let entry = files.get(key).unwrap();
-    let ids: Vec<i64> = entry
-        .data
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    TensorData::new(ids, entry.shape.to_vec())
+    common::read_i64(&io(), key)
 }
 
-/// `actual` against the reference `key`: same shape, relative error `‖a - b‖ / ‖b‖` within
-/// [`TOLERANCE`].
+/// `actual` against the reference `key` within the f32 tolerance.
 fn assert_matches(actual: TensorData, key: &str) {
-    let (expected, shape) = read(key);
-    assert_eq!(actual.shape.to_vec(), shape, "{key}: shape");
-    let actual = actual.convert::<f32>().to_vec::<f32>().unwrap();
-    let diff: f64 = actual
-        .iter()
-        .zip(&expected)
-        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-        .sum();
-    let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
-    let error = (diff / norm).sqrt();
-    println!("{key}: relative error {error:.2e}");
-    assert!(error <= TOLERANCE, "{key}: relative error {error:.2e}");
+    common::assert_within(actual, &io(), key, common::F32_TOLERANCE);
 }
 
 /// The fixture model's configuration: FLUX.2's, with three levels of width 32 and one residual

@@ -11,13 +11,11 @@ use burn::tensor::FloatDType;
 use burn_diffusion::LoadError;
 use burn_diffusion::flux::{FluxCheckpoint, Layout, forward_file};
 use burn_diffusion::flux2::Flux2Checkpoint;
-use burn_quant::{Checkpoint, FloatBytes, FloatDtype};
+use burn_quant::Checkpoint;
 
-/// Relative error required in f32.
-const F32_TOLERANCE: f64 = 1e-5;
-/// Relative error allowed in bf16 against diffusers' own bf16 run; both round differently, so
-/// this only guards against gross errors.
-const BF16_TOLERANCE: f64 = 3e-2;
+mod common;
+
+use common::{BF16_TOLERANCE, F32_TOLERANCE, relative_error};
 
 /// A family's `forward_file`: model, inputs, output, dtype, device.
 type Forward = fn(&Path, &Path, &Path, FloatDType, &FlexDevice) -> Result<Vec<usize>, LoadError>;
@@ -41,10 +39,7 @@ const FLUX2: Family = Family {
 
 impl Family {
     fn case(self, name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures")
-            .join(self.fixtures)
-            .join(name)
+        common::fixture(self.fixtures).join(name)
     }
 }
 
@@ -53,24 +48,7 @@ fn case(name: &str) -> PathBuf {
 }
 
 fn read(file: &Path, key: &str) -> Vec<f32> {
-    let files = Checkpoint::open(file).unwrap();
-    let entry = files
-        .get(key)
-        .unwrap_or_else(|| panic!("{}: no `{key}`", file.display()));
-    let dtype = FloatDtype::from_safetensors(entry.dtype).unwrap();
-    FloatBytes::new(dtype, entry.data).unwrap().to_f32_vec()
-}
-
-/// `‖a - b‖ / ‖b‖`, in f64.
-fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (diff / norm).sqrt()
+    common::read(file, key).0
 }
 
 /// Runs `model` on every input set of `case` through `forward_file`; returns the worst relative

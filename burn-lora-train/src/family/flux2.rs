@@ -45,8 +45,10 @@ use crate::rng::Rng;
 const TINY_TOKENS: usize = 64;
 /// The tiny decoder's stacked hidden states.
 const TINY_LAYERS: [usize; 3] = [1, 2, 3];
-/// Images encoded by the VAE per batch (of one bucket).
-const VAE_BATCH: usize = 4;
+/// Images encoded by the VAE per call: one. The encoder runs once per image, at sizes where one
+/// image fills the GPU, and CubeCL tunes each of its kernels on first use by running every
+/// candidate on the whole batch, so on a fresh machine a larger batch only lengthens the tuning.
+const VAE_BATCH: usize = 1;
 /// Captions encoded per batch.
 const TEXT_BATCH: usize = 4;
 

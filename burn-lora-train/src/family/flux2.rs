@@ -204,7 +204,8 @@ impl Flux2Family {
     }
 
     /// The text decoder in the model's dtype and which one it is; with a `stream`, its
-    /// `Linear` weights are streamed weights in host memory (loaded there directly).
+    /// `Linear` weights are streamed weights in host memory (loaded or made there directly),
+    /// and its token embedding stays on the device.
     fn text_decoder<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
@@ -265,9 +266,11 @@ impl Flux2Family {
                 (decoder, model)
             }
         };
-        let decoder = match stream {
-            Some(stream) => stream.stream_frozen(decoder)?,
-            None => decoder,
+        // A random or loaded decoder's Linear weights are in host memory already; its token
+        // embedding stays on the device, where every lookup reads it.
+        let decoder = match (stream, &plan.model.source) {
+            (Some(stream), ModelSource::Tiny) => stream.stream_frozen(decoder)?,
+            _ => decoder,
         };
         Ok((decoder, model))
     }

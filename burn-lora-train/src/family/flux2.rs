@@ -74,6 +74,23 @@ enum TextModel {
     Qwen3,
 }
 
+impl TextModel {
+    /// The hidden states FLUX.2 stacks.
+    fn layers(self) -> &'static [usize; 3] {
+        match self {
+            TextModel::Mistral => &FLUX2_DEV_LAYERS,
+            TextModel::Qwen3 => &FLUX2_KLEIN_LAYERS,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            TextModel::Mistral => "Mistral-Small-3 (FLUX.2-dev)",
+            TextModel::Qwen3 => "Qwen3 (FLUX.2-klein)",
+        }
+    }
+}
+
 /// The FLUX.2 family, for one model source.
 #[derive(Clone, Debug)]
 pub struct Flux2Family {
@@ -227,15 +244,16 @@ impl Flux2Family {
             }
             ModelSource::Random(_) => {
                 let model = self.built_text_model();
-                let (preset, layers) = match model {
-                    TextModel::Mistral => (TextDecoderConfig::mistral_small_3(), FLUX2_DEV_LAYERS),
+                let preset = match model {
+                    TextModel::Mistral => TextDecoderConfig::mistral_small_3(),
                     TextModel::Qwen3 if self.config.hidden_size == 3072 => {
-                        (TextDecoderConfig::qwen3_4b(), FLUX2_KLEIN_LAYERS)
+                        TextDecoderConfig::qwen3_4b()
                     }
-                    TextModel::Qwen3 => (TextDecoderConfig::qwen3_8b(), FLUX2_KLEIN_LAYERS),
+                    TextModel::Qwen3 => TextDecoderConfig::qwen3_8b(),
                 };
                 let config = TextDecoderConfig {
-                    num_hidden_layers: *layers.iter().max().expect("three layers"),
+                    num_hidden_layers: *model.layers().iter().max().expect("three layers"),
+                    final_norm: false,
                     ..preset
                 };
                 Offload::<B>::seed(device, seed);
@@ -263,6 +281,19 @@ impl Flux2Family {
                 } else {
                     TextModel::Mistral
                 };
+                let layers = decoder.config().num_hidden_layers;
+                let read = model.layers();
+                if read.iter().any(|&l| l > layers) {
+                    return Err(burn_diffusion::LoadError::Config {
+                        file: path.to_path_buf(),
+                        message: format!(
+                            "this text decoder has {layers} layers; FLUX.2 reads the hidden \
+                             states {read:?} of {}",
+                            model.name()
+                        ),
+                    }
+                    .into());
+                }
                 (decoder, model)
             }
         };
@@ -323,14 +354,8 @@ impl Family for Flux2Family {
         let length = Self::text_tokens(plan);
         let (tokenizer, layers) = match (model, &plan.model.source) {
             (_, ModelSource::Tiny) => (PromptTokenizer::mistral(&folder, length)?, &TINY_LAYERS),
-            (TextModel::Mistral, _) => (
-                PromptTokenizer::mistral(&folder, length)?,
-                &FLUX2_DEV_LAYERS,
-            ),
-            (TextModel::Qwen3, _) => (
-                PromptTokenizer::qwen3(&folder, length)?,
-                &FLUX2_KLEIN_LAYERS,
-            ),
+            (TextModel::Mistral, _) => (PromptTokenizer::mistral(&folder, length)?, model.layers()),
+            (TextModel::Qwen3, _) => (PromptTokenizer::qwen3(&folder, length)?, model.layers()),
         };
         let states = streamed(stream.as_ref(), "the text decoder", || {
             encode_flux2_text(&tokenizer, decoder, texts, layers, TEXT_BATCH)

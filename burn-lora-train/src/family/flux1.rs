@@ -27,7 +27,7 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, source_name, streamed,
+    encoder_stream, into_stream, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -180,9 +180,7 @@ impl Flux1 {
                 let path = files.get("text_encoder_2");
                 let t5 = match stream {
                     Some(stream) => {
-                        T5Encoder::load_with(path, device, dtype, &mut |name, data| {
-                            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
-                        })?
+                        T5Encoder::load_with(path, device, dtype, &mut into_stream(stream))?
                     }
                     None => T5Encoder::load(path, device, dtype)?,
                 };
@@ -274,9 +272,7 @@ impl Family for Flux1 {
             (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(
                 files.get("transformer"),
             )?
-            .load_with(device, dtype, &mut |name, data| {
-                stream.streamed_tensor::<2>(name, data).map_err(Into::into)
-            })?,
+            .load_with(device, dtype, &mut into_stream(stream))?,
             (ModelSource::Files(files), None) => {
                 Flux::load(files.get("transformer"), device, dtype)?
             }

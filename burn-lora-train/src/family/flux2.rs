@@ -10,11 +10,13 @@
 //! single files and FP8 files, diffusers folders, ComfyUI's separate text-encoder and VAE
 //! files).
 
+use std::path::Path;
+
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor};
 use burn_diffusion::flux2::{Flux2, Flux2Checkpoint, Flux2Config, Flux2Input};
 use burn_diffusion::materialize;
 use burn_diffusion::pipeline::{
@@ -24,7 +26,7 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
 use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, PlaceWeight, random_placed};
+use burn_diffusion::{BlockTape, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
@@ -32,7 +34,7 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, source_name, streamed,
+    encoder_stream, into_stream, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -200,7 +202,7 @@ impl Flux2Family {
     /// transformer reads `expected` (its `field`): a VAE or text decoder of another FLUX.2.
     fn check_width(
         &self,
-        file: &std::path::Path,
+        file: &Path,
         model: &str,
         field: &str,
         found: usize,
@@ -209,15 +211,12 @@ impl Flux2Family {
         if found == expected {
             return Ok(());
         }
-        Err(burn_diffusion::LoadError::Config {
-            file: file.to_path_buf(),
-            message: format!(
-                "this {model} gives {found} values per token, the transformer reads {expected} \
-                 ({field}); FLUX.2-dev pairs with Mistral-Small-3, klein 4B with Qwen3-4B, \
-                 klein 9B with Qwen3-8B, all with the FLUX.2 VAE"
+        Err(mismatch(
+            file,
+            format!(
+                "this {model} gives {found} values per token, the transformer reads {expected} ({field})"
             ),
-        }
-        .into())
+        ))
     }
 
     /// The text decoder in the model's dtype and which one it is; with a `stream`, its
@@ -231,10 +230,6 @@ impl Flux2Family {
     ) -> Result<(TextDecoder<Offload<B>>, TextModel), TrainError> {
         let dtype = float_dtype(plan);
         let seed = plan.train.seed ^ 2;
-        let mut place = |name: &str, data: TensorData| -> Result<_, _> {
-            let stream = stream.expect("placed only when streaming");
-            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
-        };
         let (decoder, model) = match &plan.model.source {
             ModelSource::Tiny => {
                 let config = Self::tiny_decoder();
@@ -258,11 +253,13 @@ impl Flux2Family {
                 };
                 Offload::<B>::seed(device, seed);
                 let decoder = match stream {
-                    Some(_) => random_placed(config.init(device), dtype, seed, &mut place)
-                        .map_err(|source| TrainError::Random {
-                            model: "text decoder",
-                            source,
-                        })?,
+                    Some(stream) => {
+                        random_placed(config.init(device), dtype, seed, &mut into_stream(stream))
+                            .map_err(|source| TrainError::Random {
+                                model: "text decoder",
+                                source,
+                            })?
+                    }
                     None => materialize(config.init(device), dtype),
                 };
                 (decoder, model)
@@ -270,7 +267,9 @@ impl Flux2Family {
             ModelSource::Files(files) => {
                 let path = files.get("text_encoder");
                 let decoder = match stream {
-                    Some(_) => TextDecoder::load_with(path, device, dtype, &mut place)?,
+                    Some(stream) => {
+                        TextDecoder::load_with(path, device, dtype, &mut into_stream(stream))?
+                    }
                     None => TextDecoder::load(path, device, dtype)?,
                 };
                 let hidden = decoder.config().hidden_size;
@@ -284,15 +283,12 @@ impl Flux2Family {
                 let layers = decoder.config().num_hidden_layers;
                 let read = model.layers();
                 if read.iter().any(|&l| l > layers) {
-                    return Err(burn_diffusion::LoadError::Config {
-                        file: path.to_path_buf(),
-                        message: format!(
-                            "this text decoder has {layers} layers; FLUX.2 reads the hidden \
-                             states {read:?} of {}",
-                            model.name()
-                        ),
-                    }
-                    .into());
+                    let message = format!(
+                        "this text decoder has {layers} layers; FLUX.2 reads the hidden states \
+                         {read:?} of {}",
+                        model.name()
+                    );
+                    return Err(mismatch(path, message));
                 }
                 (decoder, model)
             }
@@ -305,6 +301,18 @@ impl Flux2Family {
         };
         Ok((decoder, model))
     }
+}
+
+/// A configuration error about `file`, a component that does not belong with the transformer.
+fn mismatch(file: &Path, message: String) -> TrainError {
+    burn_diffusion::LoadError::Config {
+        file: file.to_path_buf(),
+        message: format!(
+            "{message}; FLUX.2-dev pairs with Mistral-Small-3, klein 4B with Qwen3-4B, klein 9B \
+             with Qwen3-8B, all with the FLUX.2 VAE"
+        ),
+    }
+    .into()
 }
 
 impl Family for Flux2Family {
@@ -352,10 +360,13 @@ impl Family for Flux2Family {
         let (decoder, model) = self.text_decoder::<B>(plan, device, stream.as_ref())?;
         let folder = plan.model.tokenizers.join("tokenizer");
         let length = Self::text_tokens(plan);
-        let (tokenizer, layers) = match (model, &plan.model.source) {
-            (_, ModelSource::Tiny) => (PromptTokenizer::mistral(&folder, length)?, &TINY_LAYERS),
-            (TextModel::Mistral, _) => (PromptTokenizer::mistral(&folder, length)?, model.layers()),
-            (TextModel::Qwen3, _) => (PromptTokenizer::qwen3(&folder, length)?, model.layers()),
+        let tokenizer = match model {
+            TextModel::Mistral => PromptTokenizer::mistral(&folder, length)?,
+            TextModel::Qwen3 => PromptTokenizer::qwen3(&folder, length)?,
+        };
+        let layers = match plan.model.source {
+            ModelSource::Tiny => &TINY_LAYERS,
+            _ => model.layers(),
         };
         let states = streamed(stream.as_ref(), "the text decoder", || {
             encode_flux2_text(&tokenizer, decoder, texts, layers, TEXT_BATCH)
@@ -379,15 +390,11 @@ impl Family for Flux2Family {
         let dtype = float_dtype(plan);
         let seed = plan.train.seed ^ 4;
         TrainBackend::<B>::seed(device, seed);
-        let mut place = |name: &str, data: TensorData| -> Result<_, _> {
-            let stream = stream.expect("placed only when streaming");
-            stream.streamed_tensor::<2>(name, data).map_err(Into::into)
-        };
-        let place: &mut PlaceWeight<'_, TrainBackend<B>> = &mut place;
         let flux = match (&plan.model.source, stream) {
-            (ModelSource::Files(files), Some(_)) => {
-                Flux2Checkpoint::open(files.get("transformer"))?.load_with(device, dtype, place)?
-            }
+            (ModelSource::Files(files), Some(stream)) => Flux2Checkpoint::open(
+                files.get("transformer"),
+            )?
+            .load_with(device, dtype, &mut into_stream(stream))?,
             (ModelSource::Files(files), None) => {
                 Flux2::load(files.get("transformer"), device, dtype)?
             }
@@ -397,14 +404,16 @@ impl Family for Flux2Family {
                 |host| self.config.init::<Flex>(host),
                 self.config.init(device),
             ),
-            (ModelSource::Random(_), Some(_)) => {
-                random_placed(self.config.init(device), dtype, seed, place).map_err(|source| {
-                    TrainError::Random {
-                        model: "transformer",
-                        source,
-                    }
-                })?
-            }
+            (ModelSource::Random(_), Some(stream)) => random_placed(
+                self.config.init(device),
+                dtype,
+                seed,
+                &mut into_stream(stream),
+            )
+            .map_err(|source| TrainError::Random {
+                model: "transformer",
+                source,
+            })?,
             (ModelSource::Random(_), None) => materialize(self.config.init(device), dtype),
         };
         Ok(flux.no_grad())

@@ -23,7 +23,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::vae::AutoencoderKl;
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
-use burn_offload::{Offload, StreamTarget, WeightStream};
+use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::{Dataset, DatasetError};
@@ -272,6 +272,15 @@ pub fn encoder_stream<B: StreamTarget>(
     Ok(crate::models::offload_config(plan)
         .map(|config| WeightStream::<Offload<B>>::new(device, config))
         .transpose()?)
+}
+
+/// The placement a loader hands weight matrices to ([`burn_diffusion::PlaceWeight`]): each
+/// becomes a streamed weight in `stream`'s host memory.
+pub fn into_stream<B: OffloadBackend>(
+    stream: &WeightStream<B>,
+) -> impl FnMut(&str, TensorData) -> Result<Tensor<B, 2>, Box<dyn std::error::Error + Send + Sync>> + '_
+{
+    |name, data| stream.streamed_tensor::<2>(name, data).map_err(Into::into)
 }
 
 /// Runs `encode` as one step of `stream` (when the encoder streams), logging how many bytes

@@ -12,6 +12,8 @@ pub struct KernelCounters {
     pub fused_elementwise: u64,
     /// Matrix products the vendor BLAS computed (forward and backward).
     pub blas_products: u64,
+    /// Convolutions the vendor DNN library computed.
+    pub dnn_convolutions: u64,
     /// Calls whose fast path failed and that ran the separate ops instead.
     pub fallbacks: u64,
 }
@@ -23,6 +25,7 @@ impl KernelCounters {
             fused_attention: self.fused_attention - earlier.fused_attention,
             fused_elementwise: self.fused_elementwise - earlier.fused_elementwise,
             blas_products: self.blas_products - earlier.blas_products,
+            dnn_convolutions: self.dnn_convolutions - earlier.dnn_convolutions,
             fallbacks: self.fallbacks - earlier.fallbacks,
         }
     }
@@ -34,6 +37,7 @@ thread_local! {
             fused_attention: 0,
             fused_elementwise: 0,
             blas_products: 0,
+            dnn_convolutions: 0,
             fallbacks: 0,
         })
     };
@@ -62,6 +66,10 @@ pub(crate) fn count_elementwise() {
 
 pub(crate) fn count_blas_product() {
     bump(|c| c.blas_products += 1);
+}
+
+pub(crate) fn count_dnn_convolution() {
+    bump(|c| c.dnn_convolutions += 1);
 }
 
 pub(crate) fn count_fallback() {

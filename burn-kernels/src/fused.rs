@@ -4,7 +4,7 @@
 use std::fmt::Debug;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor};
 
 use crate::options::KernelOptions;
 
@@ -122,6 +122,20 @@ pub trait FusedOps: Backend {
         options: &KernelOptions,
     ) -> Option<FloatTensor<Self>> {
         let _ = (lhs, rhs, options);
+        None
+    }
+
+    /// The 2-D convolution of `x` (`[batch, channels, height, width]`) with `weight` under
+    /// `conv`, without bias, as `conv2d` computes it, by the device's vendor DNN library; `None`
+    /// where the backend has none, the options leave products to Burn (`blas: off`), or the
+    /// dtypes or shapes do not fit.
+    fn dnn_conv2d(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        conv: &ConvOptions<2>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, weight, conv, options);
         None
     }
 }

@@ -44,6 +44,8 @@
 #![warn(missing_docs)]
 
 mod autodiff;
+#[cfg(any(feature = "cuda", test))]
+mod conv;
 mod counters;
 #[cfg(feature = "cube")]
 mod cube;

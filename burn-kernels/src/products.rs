@@ -1,12 +1,13 @@
-//! The matrix products of a decorator's ops on the backend it decorates: through the vendor
-//! BLAS ([`FusedOps::blas_matmul`]) where the backend has one, the options route the product
-//! there and it takes the layouts, else through the backend's own op of the same name, so a
-//! backend without BLAS runs exactly what it ran before.
+//! The matrix products and convolutions of a decorator's ops on the backend it decorates:
+//! through the vendor BLAS ([`FusedOps::blas_matmul`]) or DNN library
+//! ([`FusedOps::dnn_conv2d`]) where the backend has one, the options route the op there and it
+//! takes the layouts, else through the backend's own op of the same name, so a backend without
+//! them runs exactly what it ran before.
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Shape, TensorMetadata};
 
-use crate::counters::count_blas_product;
+use crate::counters::{count_blas_product, count_dnn_convolution};
 use crate::fused::FusedOps;
 use crate::options::KernelOptions;
 
@@ -48,6 +49,26 @@ pub fn linear<B: FusedOps>(
     let mut dims = vec![1; rank];
     dims[rank - 1] = bias.shape().num_elements();
     B::float_add(out, B::float_reshape(bias, Shape::from(dims)))
+}
+
+/// The 2-D convolution of `x` with `weight` under `conv`, plus `bias` per output channel, as
+/// `conv2d`.
+pub fn conv2d<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    conv: ConvOptions<2>,
+    options: &KernelOptions,
+) -> FloatTensor<B> {
+    let Some(out) = B::dnn_conv2d(&x, &weight, &conv, options) else {
+        return B::conv2d(x, weight, bias, conv);
+    };
+    count_dnn_convolution();
+    let Some(bias) = bias else {
+        return out;
+    };
+    let channels = bias.shape().num_elements();
+    B::float_add(out, B::float_reshape(bias, Shape::new([1, channels, 1, 1])))
 }
 
 /// `output_grad · weightᵀ`, as `linear_x_backward`.

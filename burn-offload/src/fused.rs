@@ -2,7 +2,7 @@
 //! tensors. An operand that is a streamed weight (not on the device) declines the fused path;
 //! the model's separate ops then meet it and materialize it, counted in the step's stats.
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn_kernels::{FusedOps, KernelOptions, NormRope, UnaryOp};
 
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
@@ -91,6 +91,15 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         options: &KernelOptions,
     ) -> Option<FloatTensor<Self>> {
         B::blas_matmul(inner(lhs)?, inner(rhs)?, options).map(outer)
+    }
+
+    fn dnn_conv2d(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        conv: &ConvOptions<2>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::dnn_conv2d(inner(x)?, inner(weight)?, conv, options).map(outer)
     }
 
     fn fused_norm_rope_backward(

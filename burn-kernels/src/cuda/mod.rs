@@ -1,11 +1,12 @@
 //! The CUDA mechanism: [`FusedOps`] for Burn's CUDA backend (cuBLAS products in `blas.rs`,
-//! the NVRTC attention kernels in `flash.rs`, the CubeCL elementwise kernels), the streams
-//! outside CubeCL's kept in its order (`order.rs`), and one [`SideContext`] per device that
-//! holds everything those paths create once: the CUDA context CubeCL uses, the copy stream of
-//! a streaming decorator, the cuBLAS handle, the attention kernels per head size and the flag
-//! kernels.
+//! cuDNN convolutions in `dnn.rs`, the NVRTC attention kernels in `flash.rs`, the CubeCL
+//! elementwise kernels), the streams outside CubeCL's kept in its order (`order.rs`), and one
+//! [`SideContext`] per device that holds everything those paths create once: the CUDA context
+//! CubeCL uses, the copy stream of a streaming decorator, the cuBLAS and cuDNN handles, the
+//! attention kernels per head size and the flag kernels.
 
 mod blas;
+mod dnn;
 mod flash;
 mod flash_plan;
 mod order;
@@ -13,7 +14,7 @@ mod order;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
@@ -39,6 +40,7 @@ pub struct SideContext {
     ctx: Arc<CudaContext>,
     copy: Arc<CudaStream>,
     blas: OnceLock<Result<Arc<Mutex<blas::Blas>>, KernelError>>,
+    dnn: OnceLock<Result<Arc<Mutex<dnn::Dnn>>, KernelError>>,
     flash: Mutex<HashMap<usize, Result<Arc<Mutex<flash::FlashKernels>>, KernelError>>>,
     flags: OnceLock<Result<Arc<order::FlagKernels>, KernelError>>,
 }
@@ -62,6 +64,7 @@ impl SideContext {
             ctx,
             copy,
             blas: OnceLock::new(),
+            dnn: OnceLock::new(),
             flash: Mutex::new(HashMap::new()),
             flags: OnceLock::new(),
         });
@@ -82,6 +85,12 @@ impl SideContext {
     fn blas(&self) -> Result<Arc<Mutex<blas::Blas>>, KernelError> {
         self.blas
             .get_or_init(|| blas::Blas::new(&self.ctx).map(|b| Arc::new(Mutex::new(b))))
+            .clone()
+    }
+
+    fn dnn(&self) -> Result<Arc<Mutex<dnn::Dnn>>, KernelError> {
+        self.dnn
+            .get_or_init(|| dnn::Dnn::new(&self.ctx).map(|d| Arc::new(Mutex::new(d))))
             .clone()
     }
 
@@ -210,5 +219,14 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         options: &KernelOptions,
     ) -> Option<CubeTensor<CudaRuntime>> {
         blas::matmul(lhs, rhs, options)
+    }
+
+    fn dnn_conv2d(
+        x: &CubeTensor<CudaRuntime>,
+        weight: &CubeTensor<CudaRuntime>,
+        conv: &ConvOptions<2>,
+        options: &KernelOptions,
+    ) -> Option<CubeTensor<CudaRuntime>> {
+        dnn::conv2d(x, weight, conv, options)
     }
 }

@@ -224,7 +224,7 @@ impl Family for Flux1 {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = Self::vae::<B>(plan, device)?;
+        let vae = Self::vae::<Offload<B>>(plan, device)?;
         encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 

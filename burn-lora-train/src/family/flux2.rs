@@ -344,7 +344,7 @@ impl Family for Flux2Family {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = self.vae::<B>(plan, device)?;
+        let vae = self.vae::<Offload<B>>(plan, device)?;
         encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 

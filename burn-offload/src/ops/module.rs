@@ -1,5 +1,7 @@
-//! `ModuleOps`: the linear ops stream their weight; everything else is forwarded to the inner
-//! backend (a streamed weight met there, e.g. by a convolution, is materialized).
+//! `ModuleOps`: the linear ops stream their weight; the linear ops and the convolution's
+//! forward go through burn-kernels' `products` (the vendor BLAS and DNN library); everything
+//! else is forwarded to the inner backend (a streamed weight met there, e.g. by a convolution,
+//! is materialized).
 
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{
@@ -88,6 +90,21 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         ))
     }
 
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        lift(products::conv2d::<B>(
+            lower(x),
+            lower(weight),
+            lower_opt(bias),
+            options,
+            &KernelOptions::current(),
+        ))
+    }
+
     forward! {
         lift fn embedding(
             lower weights: FloatTensor<Self>,
@@ -121,12 +138,6 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             lower x: FloatTensor<Self>,
             lower bias: FloatTensor<Self>,
             lower output_grad: FloatTensor<Self>,
-        ) -> FloatTensor<Self>;
-        lift fn conv2d(
-            lower x: FloatTensor<Self>,
-            lower weight: FloatTensor<Self>,
-            lower_opt bias: Option<FloatTensor<Self>>,
-            keep options: ConvOptions<2>,
         ) -> FloatTensor<Self>;
         lift fn conv2d_x_backward(
             lower x: FloatTensor<Self>,

@@ -27,6 +27,7 @@ use crate::config::{TrainPlan, fnv1a64};
 use crate::dataset::{Dataset, DatasetError};
 use crate::error::TrainError;
 use crate::family::{Encoded, Family, Schema, finite};
+use crate::report::Heartbeat;
 
 /// Name of the cache folder inside a dataset folder.
 pub const CACHE_FOLDER: &str = "_burnlora_cache";
@@ -91,7 +92,9 @@ pub fn prepare<F: Family, B: StreamTarget>(
     if !missing.is_empty() || empty.is_none() {
         if !missing.is_empty() {
             let start = Instant::now();
+            let heartbeat = Heartbeat::start(format!("encoding {} images", missing.len()));
             let encoded = family.encode_images::<B>(plan, dataset, &missing, device)?;
+            drop(heartbeat);
             for (&i, image) in missing.iter().zip(encoded) {
                 images[i] = Some(image);
             }
@@ -107,7 +110,9 @@ pub fn prepare<F: Family, B: StreamTarget>(
             .chain([""])
             .collect();
         let start = Instant::now();
+        let heartbeat = Heartbeat::start(format!("encoding {} captions", texts.len()));
         let mut encoded = family.encode_captions::<B>(plan, &texts, device)?;
+        drop(heartbeat);
         tracing::info!(
             "encoded {} captions in {:.1} s",
             texts.len(),

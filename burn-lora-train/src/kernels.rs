@@ -8,10 +8,18 @@
 
 use cubecl::config::cache::CacheConfig;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+use cubecl_common::config::logger::LogCrateLevel;
 
-/// Turns on the on-disk kernel cache; call before any CUDA work. Logs where the caches are.
+/// Turns on the on-disk kernel cache and sends CubeCL's autotune reports to the log (where
+/// `report` counts them for the progress lines); call before any CUDA work. Logs where the
+/// caches are.
 pub fn persist() {
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config
+        .autotune
+        .logger
+        .log
+        .get_or_insert(LogCrateLevel::Info);
     let compiled = config
         .compilation
         .cache

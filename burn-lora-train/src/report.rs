@@ -7,6 +7,9 @@
 //!   bar is shown are written above it.
 //! - [`LossLog`] appends `step,loss,lr,seconds` rows to `loss.csv` (one `write` per row; a torn
 //!   last row is dropped when the file is read back), and [`plot_loss`] draws `loss.png`.
+//! - CubeCL's reports of the kernels it tunes (forwarded to `tracing` under `cubecl*` targets,
+//!   see `kernels.rs`) are counted rather than printed; a [`Heartbeat`] says every
+//!   [`HEARTBEAT`] what a long phase is doing, with the count and the latest kernel tuned.
 //! - [`StopFlag::install`] turns the first Ctrl-C into a request to stop (the loop saves a
 //!   checkpoint and exits); a second Ctrl-C ends the process at once.
 //!
@@ -16,12 +19,14 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plotters::prelude::*;
+use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::layer::Context;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry, reload};
@@ -122,18 +127,116 @@ impl std::fmt::Debug for Logging {
     }
 }
 
+/// Whether an event comes from CubeCL (its kernel reports, forwarded from the `log` crate).
+fn from_cubecl(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.target().starts_with("cubecl")
+}
+
+/// Kernels CubeCL has tuned in this process.
+static TUNED: AtomicU64 = AtomicU64::new(0);
+/// The first line of CubeCL's latest tuning report.
+static LATEST_TUNED: Mutex<String> = Mutex::new(String::new());
+
+/// Counts CubeCL's tuning reports and keeps the latest one's first line.
+struct KernelReports;
+
+impl<S: tracing::Subscriber> Layer<S> for KernelReports {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        let line = message.0.lines().next().unwrap_or_default();
+        let name = line.strip_prefix("Fastest result ").unwrap_or(line);
+        TUNED.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut latest) = LATEST_TUNED.lock() {
+            *latest = name.chars().take(80).collect();
+        }
+    }
+}
+
+/// How often a [`Heartbeat`] reports.
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// Reports, every [`HEARTBEAT`] until dropped, that `phase` is still running and how many
+/// kernels CubeCL has tuned so far (the first run on a machine compiles and tunes the kernels of
+/// every new shape; later runs read them from the kernel caches).
+#[must_use = "the heartbeat stops when dropped"]
+pub struct Heartbeat {
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Heartbeat {
+    /// Starts reporting on `phase` (a phrase such as "encoding 6 images with the VAE").
+    pub fn start(phase: String) -> Self {
+        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let signal = stop.clone();
+        let started = Instant::now();
+        let tuned_before = TUNED.load(Ordering::Relaxed);
+        let thread = std::thread::spawn(move || {
+            let (lock, wake) = &*signal;
+            let mut stopped = lock.lock().expect("heartbeat lock");
+            loop {
+                let (guard, timeout) = wake
+                    .wait_timeout(stopped, HEARTBEAT)
+                    .expect("heartbeat lock");
+                stopped = guard;
+                if *stopped {
+                    return;
+                }
+                if timeout.timed_out() {
+                    let tuned = TUNED.load(Ordering::Relaxed) - tuned_before;
+                    let latest = LATEST_TUNED.lock().map(|l| l.clone()).unwrap_or_default();
+                    let kernels = match tuned {
+                        0 => String::new(),
+                        n => format!("; GPU kernels tuned: {n} (latest: {latest})"),
+                    };
+                    tracing::info!("{phase}: {:.0} s{kernels}", started.elapsed().as_secs_f64());
+                }
+            }
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        let (lock, wake) = &*self.stop;
+        if let Ok(mut stopped) = lock.lock() {
+            *stopped = true;
+        }
+        wake.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// Installs the global `tracing` subscriber: lines to stderr, filtered by `BURNLORA_LOG`
-/// (default `info`). Call once, at the start of the program.
+/// (default `info`); CubeCL's kernel reports are counted for [`Heartbeat`]s, not printed. Call
+/// once, at the start of the program.
 pub fn init_logging() -> Result<Logging, ReportError> {
     let filter = EnvFilter::try_from_env(LOG_ENV).unwrap_or_else(|_| EnvFilter::new("info"));
     let (file, handle) = reload::Layer::new(None::<FileLayer>);
     tracing_subscriber::registry()
-        .with(file)
+        .with(file.with_filter(filter_fn(|m| !from_cubecl(m))))
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(|| Terminal)
-                .with_target(false),
+                .with_target(false)
+                .with_filter(filter_fn(|m| !from_cubecl(m))),
         )
+        .with(KernelReports.with_filter(filter_fn(from_cubecl)))
         .with(filter)
         .try_init()
         .map_err(|e| ReportError::Setup(format!("installing the log subscriber: {e}")))?;

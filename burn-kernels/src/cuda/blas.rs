@@ -9,6 +9,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cudarc::cublas::result as cublas;
@@ -135,7 +136,20 @@ pub(crate) fn matmul(
         return None;
     }
     let dtype = data_type(lhs.dtype)?;
-    let plan = plan(layout(lhs), layout(rhs)).filter(|plan| routed(plan, options))?;
+    let (lhs, rhs, plan) = match plan(layout(lhs), layout(rhs)) {
+        Some(plan) => (lhs.clone(), rhs.clone(), plan),
+        // Layouts cuBLAS cannot take (batch dimensions that do not collapse into one stride,
+        // as attention's heads split from a projection) are copied to contiguous ones: a copy
+        // costs less than Burn's matmul, which compiles and times kernels for every new shape.
+        None => {
+            let (lhs, rhs) = (into_contiguous(lhs.clone()), into_contiguous(rhs.clone()));
+            let plan = plan(layout(&lhs), layout(&rhs))?;
+            (lhs, rhs, plan)
+        }
+    };
+    if !routed(&plan, options) {
+        return None;
+    }
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());
     let out = client.empty(out_shape.num_elements() * lhs.dtype.size());

@@ -105,25 +105,27 @@ impl Fp8Format {
     pub fn encode(self, value: f32) -> u8 {
         let p = self.params();
         let bits = value.to_bits();
-        let sign = ((bits >> 24) & 0x80) as u8;
+        let sign = (bits >> 24) & 0x80;
         let abs = bits & 0x7fff_ffff;
 
         let shift = 23 - p.mantissa_bits;
         let rounded = abs + ((1 << (shift - 1)) - 1) + ((abs >> shift) & 1);
-        let normal = (rounded >> shift).wrapping_sub(p.rebias) as u8;
-        let subnormal = ((f32::from_bits(abs) * p.subnormal_scale + ROUNDING_MAGIC).to_bits()
-            - ROUNDING_MAGIC.to_bits()) as u8;
+        let normal = (rounded >> shift).wrapping_sub(p.rebias);
+        let subnormal = (f32::from_bits(abs) * p.subnormal_scale + ROUNDING_MAGIC).to_bits()
+            - ROUNDING_MAGIC.to_bits();
 
+        // Every candidate is computed and one is selected (no branch), in 32 bits: this keeps
+        // a loop of conversions vectorisable, with a single narrowing at the end.
         let magnitude = if abs > 0x7f80_0000 {
-            p.nan_code
+            u32::from(p.nan_code)
         } else if abs >= p.max_bits {
-            p.max_code
+            u32::from(p.max_code)
         } else if abs < p.min_normal_bits {
             subnormal
         } else {
             normal
         };
-        sign | magnitude
+        (sign | magnitude) as u8
     }
 
     /// Converts one code to the `f32` it stands for (exact).

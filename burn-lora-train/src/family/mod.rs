@@ -148,7 +148,7 @@ pub trait Family: Sized {
     ) -> Result<Vec<Encoded>, TrainError>;
 
     /// Encodes `texts`, loading the text encoders and dropping them before returning (streaming
-    /// them within the budget where the denoiser streams); an encoding that is not finite is an
+    /// them where the denoiser streams, [`encoder_stream`]); an encoding that is not finite is an
     /// error naming the caption.
     fn encode_captions<B: StreamTarget>(
         &self,
@@ -265,14 +265,16 @@ pub fn encode_vae_latents<B: Kernels>(
 }
 
 /// The weight stream the text encoders load into when the denoiser streams (the run's
-/// `model.offload` or `model.quantize`), else `None`.
+/// `model.offload` or `model.quantize`), else `None`. The encoders run before any step is
+/// measured: on a device that reports its memory, a budget that bounds anything has them
+/// stream every weight (`models::weight_stream`).
 pub fn encoder_stream<B: StreamTarget>(
     plan: &TrainPlan,
     device: &B::Device,
 ) -> Result<Option<WeightStream<Offload<B>>>, TrainError> {
-    Ok(crate::models::offload_config(plan)
-        .map(|config| WeightStream::<Offload<B>>::new(device, config))
-        .transpose()?)
+    Ok(crate::models::weight_stream::<Offload<B>>(
+        plan, device, None,
+    )?)
 }
 
 /// A `random:` model from `init` (lazily initialized) in `dtype`: with a `stream`, its `Linear`

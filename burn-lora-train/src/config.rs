@@ -199,7 +199,9 @@ pub struct ModelYaml {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct OffloadYaml {
-    /// Device memory for resident weights, in GB (decimal); absent: no streaming, all resident.
+    /// Device memory the run may use, in GB (decimal): resident weights, the ring, activations,
+    /// adapters, gradients, optimizer state; 0 streams every frozen weight; absent: no
+    /// streaming, all resident.
     pub vram_budget_gb: Option<f64>,
     /// Device buffers in the prefetch ring (at least 2).
     #[serde(default = "defaults::ring_slots")]
@@ -621,7 +623,9 @@ pub struct ModelPlan {
     pub dtype: DType,
     /// FP8 format of the frozen weights on the bus; `None` sends them in `dtype`.
     pub wire: Option<Fp8Format>,
-    /// Device memory for resident weights in bytes; `None`: every weight resident.
+    /// Device memory the run may use in bytes (weights, ring, and everything else the
+    /// training keeps on the device); `Some(0)`: every frozen weight streams; `None`: every
+    /// weight resident.
     pub vram_budget_bytes: Option<u64>,
     /// Device buffers in the prefetch ring (≥ 2).
     pub ring_slots: usize,
@@ -1208,7 +1212,12 @@ fn check_model(
     );
     let budget = match m.offload.vram_budget_gb {
         Some(gb) => c
-            .positive("model.offload.vram_budget_gb", gb)
+            .require(
+                gb.is_finite() && gb >= 0.0,
+                gb,
+                "model.offload.vram_budget_gb",
+                "expected a finite number ≥ 0 (0 streams every frozen weight)",
+            )
             .map(|gb| Some((gb * 1e9).round() as u64)),
         None => Some(None),
     };

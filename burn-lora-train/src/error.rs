@@ -43,6 +43,30 @@ pub enum TrainError {
         /// Why its weights could not be placed.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The VRAM budget cannot hold what the run needs on the device beside its frozen weights
+    /// (measured over a step) with the ring of a plan that streams every weight. The run stops
+    /// before anything of that step is saved.
+    #[error(
+        "{file}: `model.offload.vram_budget_gb` is {}, but this run needs at least {}: {} beside the frozen weights (activations, adapters, gradients, optimizer state, workspace: measured over step {step}) and {} for the ring with every frozen weight streamed; raise the budget to at least that, or set it to 0 to stream every frozen weight without a bound",
+        gb(*.budget),
+        gb_up(*.needed),
+        gb(*.headroom),
+        gb(*.ring)
+    )]
+    Budget {
+        /// The configuration file.
+        file: PathBuf,
+        /// The step whose need the budget cannot hold (not saved).
+        step: u64,
+        /// The budget, in bytes.
+        budget: u64,
+        /// What the run needs beside the weights, in bytes.
+        headroom: u64,
+        /// The ring with every frozen weight streamed, in bytes.
+        ring: u64,
+        /// The smallest budget that holds both, in bytes.
+        needed: u64,
+    },
     /// `--resume` was asked for but the run folder has no valid checkpoint.
     #[error("{dir}: no checkpoint to resume from")]
     NothingToResume {
@@ -76,4 +100,14 @@ pub enum TrainError {
     /// step was written).
     #[error("{0} consecutive steps with a non-finite loss or gradient")]
     NonFinite(usize),
+}
+
+/// Bytes as decimal GB, two decimals.
+pub(crate) fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
+}
+
+/// Bytes as decimal GB, rounded up to two decimals (a size that must not be undercut).
+fn gb_up(bytes: u64) -> String {
+    format!("{:.2} GB", (bytes as f64 / 1e7).ceil() / 100.0)
 }

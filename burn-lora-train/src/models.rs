@@ -1,5 +1,7 @@
-//! What every family's models share: the weight stream's configuration, the float dtype,
+//! What every family's models share: the weight stream and its configuration, the float dtype,
 //! creating lazily initialized parameters, and random models built on the CPU.
+
+use std::sync::Arc;
 
 use burn::backend::Flex;
 use burn::backend::flex::FlexDevice;
@@ -7,13 +9,15 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_diffusion::materialize;
-use burn_offload::{OffloadConfig, WireFormat};
+use burn_offload::{
+    MemoryProbe, OffloadBackend, OffloadConfig, OffloadError, WeightStream, WireFormat,
+};
 use burn_quant::Fp8Format;
 
 use crate::config::TrainPlan;
 
 /// The weight stream's configuration, or `None` when every weight stays on the device.
-pub(crate) fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
+fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
     let model = &plan.model;
     if model.vram_budget_bytes.is_none() && model.wire.is_none() {
         return None;
@@ -29,6 +33,44 @@ pub(crate) fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
             .with_ring_slots(model.ring_slots)
             .with_wire(wire),
     )
+}
+
+/// The weight stream of `plan` on `device`, or `None` when every weight stays on the device;
+/// with a `probe`, it reads the device memory there instead of asking the backend.
+///
+/// Where the run's budget is measured ([`measured_budget`]), the stream starts with budget 0:
+/// every frozen weight streams until a step has been measured and the weights are planned
+/// within the budget beside what the step needed (burn-offload/DESIGN.md, "A budget for the
+/// whole run").
+pub(crate) fn weight_stream<B: OffloadBackend>(
+    plan: &TrainPlan,
+    device: &B::Device,
+    probe: Option<Arc<dyn MemoryProbe>>,
+) -> Result<Option<WeightStream<B>>, OffloadError> {
+    let Some(config) = offload_config(plan) else {
+        return Ok(None);
+    };
+    let mut stream = WeightStream::<B>::new(device, config)?;
+    if let Some(probe) = probe {
+        stream = stream.with_memory_probe(probe);
+    }
+    if measured_budget(plan, &stream).is_some() {
+        stream.reconfigure(stream.config().with_vram_budget(0))?;
+    }
+    Ok(Some(stream))
+}
+
+/// The budget the weights are planned within once a step has been measured: `plan`'s, where it
+/// bounds anything (given, and not 0) and `stream` can read the device's memory. `None`
+/// otherwise: the plan made from the budget alone then stays, which on a device that reports
+/// no memory (the CPU) bounds the resident weights and the ring only.
+pub(crate) fn measured_budget<B: OffloadBackend>(
+    plan: &TrainPlan,
+    stream: &WeightStream<B>,
+) -> Option<u64> {
+    plan.model
+        .vram_budget_bytes
+        .filter(|&budget| budget > 0 && stream.memory_beyond_weights().is_some())
 }
 
 /// The base model's float dtype.

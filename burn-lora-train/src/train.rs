@@ -12,6 +12,12 @@
 //! family's objective ([`Family::loss`]), which draws everything random from the run's [`Rng`]
 //! in a fixed order, so that a resumed run draws what the uninterrupted one would have drawn.
 //!
+//! With a VRAM budget (`model.offload.vram_budget_gb`, neither absent nor 0) on a device that
+//! reports its memory, the budget covers everything the run keeps on the device: the first step
+//! streams every frozen weight and measures what the run needs beside them, then the weights
+//! are planned within the rest of the budget, or the run stops when the budget cannot hold even
+//! that (burn-offload/DESIGN.md, "A budget for the whole run").
+//!
 //! A step whose loss or gradient is not finite is skipped; after `train.max_nan_steps` of them
 //! in a row the run stops. A checkpoint (LoRA file plus optimizer and data state) is written
 //! every `save.save_every` steps, at the last step, and when the run stops early; resuming
@@ -19,19 +25,24 @@
 //! LoRA file.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::Backend;
 use burn_lora::{LoraMetadata, SaveOptions};
-use burn_offload::{Offload, StreamTarget, WeightStream};
+use burn_offload::{
+    MemoryMeasurement, MemoryPlan, MemoryProbe, Offload, OffloadError, StepStats, StreamTarget,
+    WeightStream,
+};
 
 use crate::cache;
 use crate::checkpoint::{RunDir, TrainingState};
 use crate::config::TrainPlan;
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
+use crate::error::gb;
 use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, TrainBackend};
 use crate::models;
 use crate::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -58,6 +69,10 @@ pub struct TrainSummary {
     pub losses: Vec<f64>,
     /// The newest LoRA file.
     pub lora: Option<PathBuf>,
+    /// How the VRAM budget was last divided: after the run's first step was measured, or
+    /// after a later step needed more. `None` where nothing was measured (no budget, a budget
+    /// of 0, a device that reports no memory) or no step ran.
+    pub memory: Option<MemoryPlan>,
 }
 
 /// Trains the adapters of `plan` on `device` (the loop of `burnlora train`): creates or resumes
@@ -73,11 +88,40 @@ pub fn train<B: StreamTarget>(
     stop: &StopFlag,
     device: &B::Device,
 ) -> Result<TrainSummary, TrainError> {
+    train_probed::<B>(plan, resume, stop, device, None)
+}
+
+/// [`train`], reading the device memory in use from `probe` instead of asking the backend: on
+/// a backend that reports none (the CPU), the budget is then measured and planned as on a GPU,
+/// which is how the tests exercise it. The text encoders ask the backend.
+pub fn train_with_memory_probe<B: StreamTarget>(
+    plan: &TrainPlan,
+    resume: Resume,
+    stop: &StopFlag,
+    device: &B::Device,
+    probe: Arc<dyn MemoryProbe>,
+) -> Result<TrainSummary, TrainError> {
+    train_probed::<B>(plan, resume, stop, device, Some(probe))
+}
+
+fn train_probed<B: StreamTarget>(
+    plan: &TrainPlan,
+    resume: Resume,
+    stop: &StopFlag,
+    device: &B::Device,
+    probe: Option<Arc<dyn MemoryProbe>>,
+) -> Result<TrainSummary, TrainError> {
     let _kernels = plan.kernels.install();
     tracing::info!("{}; kernels: {}", plan.model.arch.name(), plan.kernels);
     match plan.model.arch {
-        Arch::Flux1 => train_family::<_, B>(&Flux1::new(plan)?, plan, resume, stop, device),
-        Arch::Flux2 => train_family::<_, B>(&Flux2Family::new(plan)?, plan, resume, stop, device),
+        Arch::Flux1 => {
+            let family = Flux1::new(plan)?;
+            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+        }
+        Arch::Flux2 => {
+            let family = Flux2Family::new(plan)?;
+            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+        }
     }
 }
 
@@ -88,6 +132,7 @@ fn train_family<F: Family, B: StreamTarget>(
     resume: Resume,
     stop: &StopFlag,
     device: &B::Device,
+    probe: Option<Arc<dyn MemoryProbe>>,
 ) -> Result<TrainSummary, TrainError>
 where
     F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
@@ -97,9 +142,7 @@ where
     let prepared = cache::prepare::<F, B>(family, plan, &dataset, device)?;
 
     let start = Instant::now();
-    let stream = models::offload_config(plan)
-        .map(|config| WeightStream::<TrainBackend<B>>::new(device, config))
-        .transpose()?;
+    let stream = models::weight_stream::<TrainBackend<B>>(plan, device, probe)?;
     let flux = family.load::<B>(plan, device, stream.as_ref())?;
     let names = family.lora_names();
     let flux = match &plan.network.pretrained {
@@ -162,6 +205,9 @@ where
         None => {}
     }
 
+    let mut measured = stream
+        .as_ref()
+        .and_then(|stream| MeasuredBudget::new(plan, stream));
     let started_at = step;
     let mut batches = dataset.batches(plan.train.seed, plan.train.batch_size, position);
     let mut loss_log = LossLog::open(run.path(), started_at)?;
@@ -171,6 +217,7 @@ where
         step,
         losses: Vec::new(),
         lora: None,
+        memory: None,
     };
     let mut non_finite = 0;
     while step < plan.train.steps {
@@ -179,6 +226,9 @@ where
         let mut accumulator = GradientsAccumulator::<F::Model<TrainBackend<B>>>::new();
         let mut loss_sum = 0.0;
         let mut memory = String::new();
+        if let Some(measured) = &mut measured {
+            measured.begin_step();
+        }
         for _ in 0..plan.train.gradient_accumulation_steps {
             let batch = batches.next().expect("a scanned dataset yields batches");
             if let Some(stream) = &stream {
@@ -198,7 +248,11 @@ where
                 .collect();
             let (loss, grads) = family.loss::<Offload<B>>(plan, &flux, &samples, &mut rng, device);
             if let Some(stream) = &stream {
-                memory = describe(&stream.end_step());
+                let stats = stream.end_step();
+                if let Some(measured) = &mut measured {
+                    measured.add(&stats);
+                }
+                memory = describe(&stats);
             }
             loss_sum += loss;
             accumulator.accumulate(&flux, grads);
@@ -207,6 +261,12 @@ where
         let (updated, stepped) = optimizer.step(flux, accumulator.grads(), lr);
         flux = updated;
         step += 1;
+        if let Some(measured) = &mut measured {
+            // Before anything of the step is saved: a budget too small stops the run here.
+            if let Some(planned) = measured.end_step(plan, step)? {
+                summary.memory = Some(planned);
+            }
+        }
         if stepped.applied && loss.is_finite() {
             non_finite = 0;
         } else {
@@ -280,6 +340,122 @@ where
     }
     progress.finish();
     Ok(summary)
+}
+
+/// The budget of a run whose weights are planned within what its steps measure
+/// ([`models::measured_budget`]). The first step streams every frozen weight (as
+/// `models::weight_stream` set the stream up); after it, the weights are planned within the
+/// budget beside what it needed. A later step that needs more (a larger bucket) raises the
+/// headroom to its need and the weights are planned again; the headroom never shrinks.
+struct MeasuredBudget<'a, B: StreamTarget> {
+    stream: &'a WeightStream<TrainBackend<B>>,
+    budget: u64,
+    /// The step running.
+    measured: MemoryMeasurement,
+    /// The headroom planned, once a step has been measured.
+    headroom: Option<u64>,
+}
+
+impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
+    /// Where the budget is measured, the watch over `stream`'s steps.
+    fn new(plan: &TrainPlan, stream: &'a WeightStream<TrainBackend<B>>) -> Option<Self> {
+        let budget = models::measured_budget(plan, stream)?;
+        tracing::info!(
+            "the first step streams every frozen weight and measures the device memory the run \
+             needs beside them; the weights are then planned within the {} budget",
+            gb(budget)
+        );
+        Some(Self {
+            stream,
+            budget,
+            measured: MemoryMeasurement::default(),
+            headroom: None,
+        })
+    }
+
+    /// Before a step's first micro-batch.
+    fn begin_step(&mut self) {
+        let before = self.stream.memory_beyond_weights().unwrap_or_default();
+        self.measured = MemoryMeasurement {
+            before,
+            peak: before,
+            after: before,
+        };
+    }
+
+    /// Takes in a micro-batch's peak.
+    fn add(&mut self, stats: &StepStats) {
+        if let Some(peak) = stats.peak_beyond_weights {
+            self.measured.peak = self.measured.peak.max(peak);
+        }
+    }
+
+    /// After the optimizer update of `step`: when the step needed more beside the weights than
+    /// the headroom planned (or nothing was planned yet), plans the weights within the budget
+    /// beside that need, logs the plan and returns it; [`TrainError::Budget`] when the budget
+    /// cannot hold the need even with every weight streamed.
+    fn end_step(&mut self, plan: &TrainPlan, step: u64) -> Result<Option<MemoryPlan>, TrainError> {
+        if let Some(after) = self.stream.memory_beyond_weights() {
+            self.measured.after = after;
+        }
+        let need = self.measured.headroom();
+        if self.headroom.is_some_and(|planned| need <= planned) {
+            return Ok(None);
+        }
+        let config = self
+            .stream
+            .config()
+            .with_vram_budget(self.budget)
+            .with_activation_headroom(need);
+        match self.stream.reconfigure(config) {
+            Ok(()) => {}
+            Err(OffloadError::BudgetTooSmall {
+                budget,
+                headroom,
+                ring,
+                needed,
+            }) => {
+                return Err(TrainError::Budget {
+                    file: plan.file.clone(),
+                    step,
+                    budget,
+                    headroom,
+                    ring,
+                    needed,
+                });
+            }
+            Err(error) => return Err(error.into()),
+        }
+        let memory = self.stream.memory_plan();
+        let split = format!(
+            "within the {} budget {} of {} frozen weights stay resident ({}), {} stream \
+             through a {} ring",
+            gb(memory.vram_budget),
+            memory.resident_weights,
+            memory.resident_weights + memory.streamed_weights,
+            gb(memory.resident_bytes),
+            memory.streamed_weights,
+            gb(memory.ring_bytes),
+        );
+        let m = &self.measured;
+        match self.headroom {
+            None => tracing::info!(
+                "step {step} needed {} of device memory beside the frozen weights (peak {}, {} \
+                 left by the optimizer update); {split}",
+                gb(need),
+                gb(m.peak),
+                gb(m.after.saturating_sub(m.before)),
+            ),
+            Some(planned) => tracing::warn!(
+                "step {step} needed {} of device memory beside the frozen weights, more than \
+                 the {} planned so far; {split}",
+                gb(need),
+                gb(planned),
+            ),
+        }
+        self.headroom = Some(need);
+        Ok(Some(memory))
+    }
 }
 
 /// A step's streaming in a few words: device memory, upload volume and rate.

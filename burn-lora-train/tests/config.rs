@@ -190,6 +190,41 @@ fn impossible_values_say_what_is_allowed() {
 }
 
 #[test]
+fn a_budget_of_0_streams_everything_and_a_negative_one_is_refused() {
+    let c = case(&with_line("vram_budget_gb:", "vram_budget_gb: 0"));
+    let plan = load(&c.file, &[]).unwrap();
+    assert_eq!(plan.model.vram_budget_bytes, Some(0));
+    let plan = load(
+        &c.file,
+        &[("BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB", "0.0")],
+    )
+    .unwrap();
+    assert_eq!(plan.model.vram_budget_bytes, Some(0));
+
+    for bad in ["-1", "-0.5"] {
+        let (field, message) = problem(&with_line(
+            "vram_budget_gb:",
+            &format!("vram_budget_gb: {bad}"),
+        ));
+        assert_eq!(field, "model.offload.vram_budget_gb", "{bad}");
+        assert!(message.contains("finite number ≥ 0"), "{bad}: {message}");
+    }
+    let c = case(GOOD);
+    for bad in ["-2", "NaN", "inf"] {
+        let err = load(&c.file, &[("BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB", bad)]).unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{bad}: {err}");
+        assert_eq!(
+            err.problems[0].field, "model.offload.vram_budget_gb",
+            "{bad}: {err}"
+        );
+        assert!(
+            err.problems[0].message.contains("finite number ≥ 0"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+#[test]
 fn invalid_patterns_are_named_by_index() {
     let yaml = with_line(
         "linear_alpha:",

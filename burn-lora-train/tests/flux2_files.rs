@@ -107,7 +107,7 @@ fn plan(dir: &Path, vae: &str, text: &Path, model: &str, steps: u64) -> TrainPla
 #[test]
 fn the_fixture_files_train_streamed_as_fp8() {
     let dir = tempfile::tempdir().unwrap();
-    let streamed = "  quantize: e5m2\n  offload: {vram_budget_gb: 0.00001}\n";
+    let streamed = "  quantize: e5m2\n  offload: {vram_budget_gb: 0}\n";
     let text = deep_decoder(dir.path());
     let plan = plan(
         dir.path(),

@@ -30,10 +30,14 @@ pub enum WireFormat {
 /// `compute_flops_per_second`): those whose transfer the compute cannot hide come first.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OffloadConfig {
-    /// Device bytes the engine may use for resident weights and the ring, activations included.
+    /// Device bytes the process may use: resident weights, the ring and the activation
+    /// headroom. 0 streams every weight (the ring is then the only weight memory, and bounded
+    /// by nothing).
     pub vram_budget: u64,
-    /// Bytes of `vram_budget` the trainer reserves for activations, optimizer state and the
-    /// like; the engine plans with the rest.
+    /// Bytes of `vram_budget` reserved for what is not weights (activations, adapters,
+    /// gradients, optimizer state, workspace), as a caller measured it
+    /// ([`MemoryMeasurement`](crate::MemoryMeasurement)); the engine plans the weights within
+    /// the rest. 0 reserves nothing: the budget then bounds the weights alone.
     pub activation_headroom: u64,
     /// Device buffers in the ring (at least 2: one is read while the next is filled).
     pub ring_slots: usize,

@@ -16,9 +16,11 @@ use std::time::{Duration, Instant};
 use burn::tensor::ops::FloatTensor;
 
 use crate::config::OffloadConfig;
-use crate::policy::{self, PlanLimits, Route, Schedule, ScheduleOutcome, Use, WeightProfile};
-use crate::stats::StepStats;
-use crate::target::StreamTarget;
+use crate::policy::{
+    self, PlanLimits, Route, Schedule, ScheduleOutcome, Shortfall, Use, WeightProfile,
+};
+use crate::stats::{MemoryPlan, StepStats};
+use crate::target::{MemoryProbe, StreamTarget};
 use crate::weight::HostWeight;
 
 /// The streaming engine of one device: streamed weights keep it alive, and its loader thread
@@ -77,13 +79,21 @@ struct Counters {
     upload: Duration,
     wait: Duration,
     peak_device_bytes: Option<u64>,
+    peak_beyond_weights: Option<u64>,
 }
 
 struct State<B: StreamTarget> {
     config: OffloadConfig,
     weights: BTreeMap<u64, Weak<HostWeight>>,
     routes: HashMap<u64, Route>,
-    resident: HashMap<u64, FloatTensor<B>>,
+    /// Resident copies, with their device bytes.
+    resident: HashMap<u64, (FloatTensor<B>, u64)>,
+    /// Device bytes of the resident copies.
+    resident_bytes: u64,
+    /// How the last plan divides the budget.
+    planned: MemoryPlan,
+    /// Where device memory is read, in place of `B::memory_in_use`.
+    probe: Option<Arc<dyn MemoryProbe>>,
     ring: Option<Ring<B>>,
     loader_started: bool,
     schedule: Schedule,
@@ -183,19 +193,39 @@ impl<B: StreamTarget> State<B> {
         self.ring.as_ref()?.slots.iter().position(pred)
     }
 
-    fn sample_memory(&mut self, device: &B::Device) {
-        if let Some(bytes) = B::memory_in_use(device) {
-            let peak = self.counters.peak_device_bytes.get_or_insert(0);
-            *peak = (*peak).max(bytes);
+    /// Device bytes the engine holds for weights now: resident copies, the ring, and
+    /// `uploading` (a weight uploaded into a tensor of its own, not yet counted elsewhere).
+    fn weight_bytes(&self, uploading: u64) -> u64 {
+        self.resident_bytes + self.ring_bytes() + uploading
+    }
+
+    /// Device memory in use now (from the probe, else the backend) and how much of it is
+    /// beyond the engine's weights, where known.
+    fn memory(&self, device: &B::Device, uploading: u64) -> Option<(u64, u64)> {
+        let weights = self.weight_bytes(uploading);
+        let in_use = match &self.probe {
+            Some(probe) => probe.in_use(weights),
+            None => B::memory_in_use(device),
+        }?;
+        Some((in_use, in_use.saturating_sub(weights)))
+    }
+
+    /// Records the memory in use now in the step's peaks.
+    fn sample_memory(&mut self, device: &B::Device, uploading: u64) {
+        if let Some((in_use, beyond)) = self.memory(device, uploading) {
+            let c = &mut self.counters;
+            let peak = c.peak_device_bytes.get_or_insert(0);
+            *peak = (*peak).max(in_use);
+            let peak = c.peak_beyond_weights.get_or_insert(0);
+            *peak = (*peak).max(beyond);
         }
     }
 
-    fn resident_bytes(&self) -> u64 {
-        self.resident
-            .keys()
-            .filter_map(|id| self.weights.get(id).and_then(Weak::upgrade))
-            .map(|w| w.device_bytes() as u64)
-            .sum()
+    fn keep_resident(&mut self, id: u64, tensor: FloatTensor<B>, bytes: u64) {
+        if let Some((_, previous)) = self.resident.insert(id, (tensor, bytes)) {
+            self.resident_bytes -= previous;
+        }
+        self.resident_bytes += bytes;
     }
 
     fn ring_bytes(&self) -> u64 {
@@ -204,13 +234,12 @@ impl<B: StreamTarget> State<B> {
             .map_or(0, |r| (r.slots.len() * r.slot_bytes) as u64)
     }
 
-    /// Recomputes the routes from the profile of the step just ended (or, before any step,
-    /// from sizes alone) and drops resident copies that are no longer wanted.
-    fn replan(&mut self) {
-        self.weights.retain(|_, w| w.strong_count() > 0);
+    /// The live weights and what the planner knows of each: the profile of the step just
+    /// ended or, before any step, sizes alone.
+    fn profiles(&self) -> (Vec<Arc<HostWeight>>, Vec<WeightProfile>) {
         let live: Vec<Arc<HostWeight>> = self.weights.values().filter_map(Weak::upgrade).collect();
         let profiled = !self.profile.is_empty();
-        let profiles: Vec<WeightProfile> = live
+        let profiles = live
             .iter()
             .map(|w| {
                 let (uses, flops) = match self.profile.get(&w.id) {
@@ -228,26 +257,45 @@ impl<B: StreamTarget> State<B> {
                 }
             })
             .collect();
-        let c = &self.config;
-        let plan = policy::plan(
-            &profiles,
-            &PlanLimits {
-                vram_budget: c.vram_budget,
-                activation_headroom: c.activation_headroom,
-                ring_slots: c.ring_slots,
-                direct_threshold: c.direct_threshold,
-                link_bytes_per_second: c.link_bytes_per_second,
-                compute_flops_per_second: c.compute_flops_per_second,
-            },
-        );
+        (live, profiles)
+    }
+
+    /// Recomputes the routes ([`State::profiles`]) and drops resident copies that are no
+    /// longer wanted.
+    fn replan(&mut self) {
+        self.weights.retain(|_, w| w.strong_count() > 0);
+        let (live, profiles) = self.profiles();
+        let limits = plan_limits(&self.config);
+        let plan = policy::plan(&profiles, &limits);
+        let resident_weights = plan
+            .routes
+            .iter()
+            .filter(|r| **r == Route::Resident)
+            .count();
+        self.planned = MemoryPlan {
+            vram_budget: limits.vram_budget,
+            activation_headroom: limits.activation_headroom,
+            resident_weights,
+            resident_bytes: plan.resident_bytes,
+            streamed_weights: live.len() - resident_weights,
+            ring_bytes: plan.ring_bytes,
+        };
         self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
         let routes = &self.routes;
-        self.resident
-            .retain(|id, _| routes.get(id) == Some(&Route::Resident));
+        let mut dropped = 0;
+        self.resident.retain(|id, (_, bytes)| {
+            let keep = routes.get(id) == Some(&Route::Resident);
+            if !keep {
+                dropped += *bytes;
+            }
+            keep
+        });
+        self.resident_bytes -= dropped;
         tracing::debug!(
             weights = live.len(),
             resident_bytes = plan.resident_bytes,
             ring_bytes = plan.ring_bytes,
+            headroom = limits.activation_headroom,
             "offload plan"
         );
     }
@@ -261,6 +309,18 @@ impl<B: StreamTarget> State<B> {
             .map(|w| B::slot_bytes(&w))
             .max()
             .unwrap_or(0)
+    }
+}
+
+/// The planner's limits for `config`.
+fn plan_limits(config: &OffloadConfig) -> PlanLimits {
+    PlanLimits {
+        vram_budget: config.vram_budget,
+        activation_headroom: config.activation_headroom,
+        ring_slots: config.ring_slots,
+        direct_threshold: config.direct_threshold,
+        link_bytes_per_second: config.link_bytes_per_second,
+        compute_flops_per_second: config.compute_flops_per_second,
     }
 }
 
@@ -294,6 +354,9 @@ impl<B: StreamTarget> Engine<B> {
                     weights: BTreeMap::new(),
                     routes: HashMap::new(),
                     resident: HashMap::new(),
+                    resident_bytes: 0,
+                    planned: MemoryPlan::default(),
+                    probe: None,
                     ring: None,
                     loader_started: false,
                     schedule: Schedule::new(),
@@ -322,14 +385,40 @@ impl<B: StreamTarget> Engine<B> {
         &self.device
     }
 
-    /// Replaces the configuration (validated by the caller) and replans.
-    pub fn configure(&self, config: OffloadConfig) {
+    /// Replaces the configuration (validated by the caller) and replans, unless its budget
+    /// cannot hold its activation headroom beside the smallest ring the weights need
+    /// ([`policy::shortfall`]): then the configuration in force stays.
+    pub fn configure(&self, config: OffloadConfig) -> Result<(), Shortfall> {
         let mut st = self.lock();
+        st.weights.retain(|_, w| w.strong_count() > 0);
+        let (_, profiles) = st.profiles();
+        if let Some(short) = policy::shortfall(&profiles, &plan_limits(&config)) {
+            return Err(short);
+        }
         if config.ring_slots != st.config.ring_slots {
             st.schedule.reset();
         }
         st.config = config;
         st.replan();
+        Ok(())
+    }
+
+    /// Reads device memory from `probe` from now on, in place of the backend's report.
+    pub fn set_probe(&self, probe: Arc<dyn MemoryProbe>) {
+        self.lock().probe = Some(probe);
+    }
+
+    /// Device memory in use now beyond the engine's weights (resident copies and ring), where
+    /// it can be read.
+    pub fn memory_beyond_weights(&self) -> Option<u64> {
+        self.lock()
+            .memory(&self.device, 0)
+            .map(|(_, beyond)| beyond)
+    }
+
+    /// How the plan in force divides the budget.
+    pub fn memory_plan(&self) -> MemoryPlan {
+        self.lock().planned.clone()
     }
 
     /// The configuration in force.
@@ -367,7 +456,7 @@ impl<B: StreamTarget> Engine<B> {
         st.counters = Counters::default();
         st.step_started = Some(Instant::now());
         st = self.resize_ring(st);
-        st.sample_memory(&self.device);
+        st.sample_memory(&self.device, 0);
         drop(st);
         self.shared.changed.notify_all();
     }
@@ -384,7 +473,7 @@ impl<B: StreamTarget> Engine<B> {
         }
         st.cancel_prefetch();
         st.steps += 1;
-        st.sample_memory(&self.device);
+        st.sample_memory(&self.device, 0);
         let c = std::mem::take(&mut st.counters);
         let stats = StepStats {
             step: st.steps,
@@ -403,9 +492,10 @@ impl<B: StreamTarget> Engine<B> {
                 .step_started
                 .take()
                 .map_or(0.0, |t| t.elapsed().as_secs_f64()),
-            resident_bytes: st.resident_bytes(),
+            resident_bytes: st.resident_bytes,
             ring_bytes: st.ring_bytes(),
             peak_device_bytes: c.peak_device_bytes,
+            peak_beyond_weights: c.peak_beyond_weights,
         };
         drop(st);
         tracing::info!(
@@ -421,6 +511,7 @@ impl<B: StreamTarget> Engine<B> {
             resident_mb = stats.resident_bytes / 1_000_000,
             ring_mb = stats.ring_bytes / 1_000_000,
             peak_mb = stats.peak_device_bytes.map(|b| b / 1_000_000),
+            beyond_weights_mb = stats.peak_beyond_weights.map(|b| b / 1_000_000),
             "offload step"
         );
         stats
@@ -493,17 +584,18 @@ impl<B: StreamTarget> Engine<B> {
         }
         match st.route(weight) {
             Route::Resident => {
-                let tensor = match st.resident.get(&weight.id).cloned() {
-                    Some(t) => {
+                let tensor = match st.resident.get(&weight.id) {
+                    Some((t, _)) => {
+                        let t = t.clone();
                         st.counters.resident_hits += 1;
-                        st.sample_memory(&self.device);
+                        st.sample_memory(&self.device, 0);
                         t
                     }
                     None => {
                         drop(st);
                         let t = self.upload(weight);
                         st = self.lock();
-                        st.resident.insert(weight.id, t.clone());
+                        st.keep_resident(weight.id, t.clone(), weight.device_bytes() as u64);
                         t
                     }
                 };
@@ -512,7 +604,7 @@ impl<B: StreamTarget> Engine<B> {
             }
             Route::Direct => {
                 st.counters.direct += 1;
-                st.sample_memory(&self.device);
+                st.sample_memory(&self.device, 0);
                 drop(st);
                 op(self.upload(weight))
             }
@@ -568,7 +660,7 @@ impl<B: StreamTarget> Engine<B> {
             Some(slot) => {
                 st.ring.as_mut().expect("ring").slots[slot] = Slot::InUse;
                 st.counters.prefetched += 1;
-                st.sample_memory(&self.device);
+                st.sample_memory(&self.device, 0);
                 drop(st);
                 self.shared.changed.notify_all();
                 Some(slot)
@@ -615,7 +707,7 @@ impl<B: StreamTarget> Engine<B> {
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
         st.counters.on_demand += 1;
         st.ring.as_mut().expect("ring").slots[claim.slot] = Slot::InUse;
-        st.sample_memory(&self.device);
+        st.sample_memory(&self.device, 0);
         Some(claim.slot)
     }
 
@@ -649,7 +741,7 @@ impl<B: StreamTarget> Engine<B> {
         st.counters.upload += elapsed;
         st.counters.wait += elapsed;
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
-        st.sample_memory(&self.device);
+        st.sample_memory(&self.device, weight.device_bytes() as u64);
         tensor
     }
 
@@ -657,7 +749,7 @@ impl<B: StreamTarget> Engine<B> {
     pub fn materialize(&self, weight: &HostWeight) -> FloatTensor<B> {
         let mut st = self.lock();
         st.counters.materialized += 1;
-        if let Some(t) = st.resident.get(&weight.id) {
+        if let Some((t, _)) = st.resident.get(&weight.id) {
             return t.clone();
         }
         st.counters.materialized_bytes += weight.wire_bytes() as u64;

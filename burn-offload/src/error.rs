@@ -19,6 +19,21 @@ pub enum OffloadError {
         /// The value found.
         found: f64,
     },
+    /// The VRAM budget cannot hold the activation headroom beside the ring that streaming
+    /// every weight needs (the least device memory any plan takes for the weights).
+    #[error(
+        "vram_budget is {budget} bytes, but activation_headroom ({headroom} bytes) and the ring of a plan that streams every weight ({ring} bytes) need {needed}"
+    )]
+    BudgetTooSmall {
+        /// The configured budget.
+        budget: u64,
+        /// The configured headroom.
+        headroom: u64,
+        /// Bytes of the ring when every weight streams.
+        ring: u64,
+        /// The smallest budget that holds both.
+        needed: u64,
+    },
     /// The wire format cannot encode a parameter of this dtype.
     #[error("`{name}` has dtype {dtype:?}: only f32, f16 and bf16 weights can be streamed")]
     UnsupportedDtype {

@@ -6,7 +6,9 @@
 //! `Autodiff<Offload<Cuda>>` in production, `Autodiff<Offload<Flex>>` on the CPU. A
 //! [`WeightStream`] turns the frozen parameters of any module into streamed weights (cheap
 //! handles to host memory, so autodiff keeps no device memory for them until backward), plans
-//! which of them stay resident within a VRAM budget, and brackets training steps: the first
+//! which of them stay resident within a VRAM budget (beside the headroom a caller measured for
+//! everything else: [`MemoryMeasurement`], [`StepStats::peak_beyond_weights`]), and brackets
+//! training steps: the first
 //! step records the order in which the forward, the checkpoint recompute and the backward use
 //! the weights, later steps replay it so the next weights cross the bus while the current ones
 //! compute. Each step reports its traffic, waits and memory in [`StepStats`].
@@ -85,7 +87,7 @@ mod wgpu;
 pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, PrefetchPolicy};
 pub use config::{OffloadConfig, WireFormat};
 pub use error::OffloadError;
-pub use policy::{Route, ScheduleOutcome};
-pub use stats::StepStats;
+pub use policy::{MemoryMeasurement, Route, ScheduleOutcome};
+pub use stats::{MemoryPlan, StepStats};
 pub use stream::WeightStream;
-pub use target::StreamTarget;
+pub use target::{MemoryProbe, StreamTarget};

@@ -1,8 +1,10 @@
 //! Decisions, free of device code: the prefetch schedule and the residency plan.
 //!
 //! The engine asks [`Schedule`] what each weight use is (recorded, replayed, or fetched on demand
-//! after the order changed) and asks [`plan`] which weights stay resident; it executes the answers
-//! with its ring, loader thread and fences. Nothing here imports Burn or touches a device.
+//! after the order changed), asks [`plan`] which weights stay resident and [`shortfall`] whether
+//! a budget holds the activation headroom a caller measured ([`MemoryMeasurement`]); it executes
+//! the answers with its ring, loader thread and fences. Nothing here imports Burn or touches a
+//! device.
 
 /// A weight, as the policy knows it: an opaque key.
 pub type WeightKey = u64;
@@ -182,9 +184,10 @@ pub struct WeightProfile {
 /// What bounds the plan.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PlanLimits {
-    /// Device bytes for resident weights, the ring and activations.
+    /// Device bytes for resident weights, the ring and everything else on the device.
     pub vram_budget: u64,
-    /// Bytes of the budget reserved for activations.
+    /// Bytes of the budget reserved for what is not weights (activations, adapters,
+    /// gradients, optimizer state, workspace).
     pub activation_headroom: u64,
     /// Slots in the ring.
     pub ring_slots: usize,
@@ -293,6 +296,73 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
         resident_bytes,
         slot_bytes,
     }
+}
+
+/// Device memory beyond the weights (resident copies and ring), as measured over a run's first
+/// step: the adapters, the other parameters, activations, gradients, optimizer state and
+/// workspace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryMeasurement {
+    /// In use before the step: parameters that stay on the device, cached inputs, an optimizer
+    /// state restored from a checkpoint.
+    pub before: u64,
+    /// The highest in use during the step's passes (forward, checkpoint recompute, backward).
+    pub peak: u64,
+    /// In use after the step, its optimizer update included.
+    pub after: u64,
+}
+
+impl MemoryMeasurement {
+    /// The headroom later steps need: the peak, plus what the step left on the device that its
+    /// passes ran without (the optimizer state the first update creates), `after - before`
+    /// floored at 0. Later steps run their passes with that state present.
+    pub fn headroom(&self) -> u64 {
+        self.peak
+            .saturating_add(self.after.saturating_sub(self.before))
+    }
+}
+
+/// A budget too small for its headroom: even a plan that streams every weight needs the
+/// headroom and a ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// The budget.
+    pub budget: u64,
+    /// The activation headroom asked for.
+    pub headroom: u64,
+    /// Bytes of the ring when every weight streams (the smallest plan).
+    pub ring: u64,
+}
+
+impl Shortfall {
+    /// The smallest budget that holds the headroom: the headroom and the ring.
+    pub fn needed(&self) -> u64 {
+        self.headroom.saturating_add(self.ring)
+    }
+}
+
+/// Whether `limits.vram_budget` holds `limits.activation_headroom` beside the ring of a plan
+/// that streams every weight, the least device memory any plan takes for them. A headroom of 0
+/// reserves nothing and is never short: the budget then bounds the weights alone (and a budget
+/// of 0 streams them all).
+pub fn shortfall(weights: &[WeightProfile], limits: &PlanLimits) -> Option<Shortfall> {
+    if limits.activation_headroom == 0 {
+        return None;
+    }
+    let streamed = plan(
+        weights,
+        &PlanLimits {
+            vram_budget: 0,
+            activation_headroom: 0,
+            ..*limits
+        },
+    );
+    let short = Shortfall {
+        budget: limits.vram_budget,
+        headroom: limits.activation_headroom,
+        ring: streamed.ring_bytes,
+    };
+    (short.needed() > limits.vram_budget).then_some(short)
 }
 
 fn slot_bytes(weights: &[WeightProfile], routes: &[Route]) -> u64 {
@@ -519,6 +589,119 @@ mod tests {
             assert_eq!(plan.resident_bytes, resident, "{name}");
             assert_eq!(plan.ring_bytes, ring, "{name}");
         }
+    }
+
+    #[test]
+    fn the_headroom_is_the_peak_plus_what_the_first_update_left() {
+        // (before, peak, after, headroom): a fresh run's first update creates the optimizer
+        // state (2 bytes here), which later passes hold on top of the peak; a resumed run had
+        // it before the step already; memory freed by the step lowers nothing.
+        let cases = [
+            ((1, 10, 3), 12),
+            ((3, 12, 3), 12),
+            ((5, 10, 2), 10),
+            ((0, 0, 0), 0),
+            ((0, u64::MAX, 1), u64::MAX),
+        ];
+        for ((before, peak, after), headroom) in cases {
+            let measured = MemoryMeasurement {
+                before,
+                peak,
+                after,
+            };
+            assert_eq!(measured.headroom(), headroom, "{measured:?}");
+        }
+    }
+
+    #[test]
+    fn a_budget_short_of_its_headroom_and_the_least_ring_says_how_much_it_needs() {
+        let four = vec![weight(100, 3, 0.0); 4];
+        let with = |budget, headroom| PlanLimits {
+            activation_headroom: headroom,
+            ..limits(budget)
+        };
+        // Streaming all four needs a ring of 2 x 100 bytes beside the headroom.
+        assert_eq!(
+            shortfall(&four, &with(499, 300)),
+            Some(Shortfall {
+                budget: 499,
+                headroom: 300,
+                ring: 200
+            })
+        );
+        assert_eq!(shortfall(&four, &with(499, 300)).unwrap().needed(), 500);
+        assert_eq!(shortfall(&four, &with(500, 300)), None);
+        // The headroom alone is too much, whatever streams.
+        assert_eq!(
+            shortfall(&four, &with(250, 300)).map(|s| s.needed()),
+            Some(500)
+        );
+        // No headroom reserves nothing: budget 0 streams everything and is never short.
+        assert_eq!(shortfall(&four, &with(0, 0)), None);
+        // Weights small enough for the direct path need no ring.
+        let small = vec![weight(5, 1, 0.0); 3];
+        assert_eq!(shortfall(&small, &with(40, 40)), None);
+        assert_eq!(
+            shortfall(&small, &with(39, 40)).map(|s| s.needed()),
+            Some(40)
+        );
+    }
+
+    #[test]
+    fn a_plan_within_a_measured_headroom_stays_within_the_budget() {
+        // Four 100-byte weights with different costs: whatever the budget and the measured
+        // headroom, a plan the budget can hold keeps resident weights + ring + headroom
+        // within it, and one more byte of budget never makes fewer weights resident.
+        let four = vec![
+            weight(100, 3, 400.0),
+            weight(100, 3, 100.0),
+            weight(100, 3, 0.0),
+            weight(100, 3, 200.0),
+        ];
+        for headroom in [1, 150, 299, 300] {
+            let mut resident = 0;
+            for budget in (0..=800).step_by(25) {
+                let limits = PlanLimits {
+                    activation_headroom: headroom,
+                    ..limits(budget)
+                };
+                let p = plan(&four, &limits);
+                match shortfall(&four, &limits) {
+                    Some(short) => {
+                        assert_eq!(short.needed(), headroom + 200);
+                        assert!(short.needed() > budget);
+                    }
+                    None => {
+                        let used = p.resident_bytes + p.ring_bytes + headroom;
+                        assert!(used <= budget, "budget {budget}, headroom {headroom}");
+                        assert!(p.resident_bytes >= resident, "budget {budget}");
+                        resident = p.resident_bytes;
+                    }
+                }
+            }
+            // 400 bytes of weights: the largest budget keeps them all, without a ring.
+            assert_eq!(resident, 400, "headroom {headroom}");
+        }
+        // The measurement decides: a first step that peaked at 150 bytes beyond the weights
+        // and whose update left 50 (the optimizer state) leaves 600 - 200 for the weights:
+        // all four, once the ring is no longer needed.
+        let measured = MemoryMeasurement {
+            before: 20,
+            peak: 150,
+            after: 70,
+        };
+        let limits = PlanLimits {
+            activation_headroom: measured.headroom(),
+            ..limits(600)
+        };
+        assert_eq!(plan(&four, &limits).resident_bytes, 400);
+        // With 599 the ring is back and only one weight fits beside it: the least hideable.
+        let limits = PlanLimits {
+            vram_budget: 599,
+            ..limits
+        };
+        use Route::{Resident as R, Ring as S};
+        assert_eq!(plan(&four, &limits).routes, vec![S, S, R, S]);
     }
 
     #[test]

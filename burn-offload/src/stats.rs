@@ -1,4 +1,4 @@
-//! What one step did: traffic, waits, memory.
+//! What one step did (traffic, waits, memory), and how the budget is divided.
 
 use crate::policy::ScheduleOutcome;
 
@@ -41,6 +41,27 @@ pub struct StepStats {
     pub ring_bytes: u64,
     /// Highest device memory in use seen during the step, where the backend reports it.
     pub peak_device_bytes: Option<u64>,
+    /// Highest device memory in use during the step beyond the engine's own weight memory at
+    /// that moment (resident copies, the ring, a weight being uploaded): what the step needed
+    /// for everything else. Sampled with [`StepStats::peak_device_bytes`].
+    pub peak_beyond_weights: Option<u64>,
+}
+
+/// How the VRAM budget is divided by the plan in force.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// The budget (`OffloadConfig::vram_budget`).
+    pub vram_budget: u64,
+    /// The part reserved for what is not weights (`OffloadConfig::activation_headroom`).
+    pub activation_headroom: u64,
+    /// Weights kept on the device.
+    pub resident_weights: usize,
+    /// Their bytes on the device.
+    pub resident_bytes: u64,
+    /// Weights streamed from host memory (through the ring or the direct path).
+    pub streamed_weights: usize,
+    /// Bytes of the ring the plan needs.
+    pub ring_bytes: u64,
 }
 
 impl StepStats {

@@ -12,8 +12,8 @@ use crate::config::OffloadConfig;
 use crate::engine::Engine;
 use crate::error::OffloadError;
 use crate::policy::Route;
-use crate::stats::StepStats;
-use crate::target::StreamTarget;
+use crate::stats::{MemoryPlan, StepStats};
+use crate::target::{MemoryProbe, StreamTarget};
 use crate::weight::{HostWeight, Payload};
 
 /// The frozen weights of one device, their ring, and their schedule.
@@ -45,10 +45,42 @@ impl<B: OffloadBackend> WeightStream<B> {
 
     /// Replaces the configuration; the plan is recomputed, the ring resized at the next step.
     /// A new wire format applies to weights streamed afterwards.
+    ///
+    /// A configuration with an activation headroom is refused with
+    /// [`OffloadError::BudgetTooSmall`] when its budget cannot hold the headroom beside the
+    /// ring of a plan that streams every weight registered so far; the configuration in force
+    /// then stays.
     pub fn reconfigure(&self, config: OffloadConfig) -> Result<(), OffloadError> {
         config.validate()?;
-        self.engine.configure(config);
-        Ok(())
+        self.engine
+            .configure(config)
+            .map_err(|short| OffloadError::BudgetTooSmall {
+                budget: short.budget,
+                headroom: short.headroom,
+                ring: short.ring,
+                needed: short.needed(),
+            })
+    }
+
+    /// Reads the device memory in use from `probe` instead of asking the backend
+    /// ([`StreamTarget::memory_in_use`]), for the statistics and
+    /// [`WeightStream::memory_beyond_weights`].
+    pub fn with_memory_probe(self, probe: Arc<dyn MemoryProbe>) -> Self {
+        self.engine.set_probe(probe);
+        self
+    }
+
+    /// Device memory in use now beyond this stream's weights (resident copies and ring):
+    /// parameters that stay on the device, activations, gradients, optimizer state. `None`
+    /// where the backend does not report its memory (the CPU) and no probe was given.
+    pub fn memory_beyond_weights(&self) -> Option<u64> {
+        self.engine.memory_beyond_weights()
+    }
+
+    /// How the plan in force divides the budget: headroom, resident weights (as planned: each
+    /// is uploaded at its first use), streamed weights and ring.
+    pub fn memory_plan(&self) -> MemoryPlan {
+        self.engine.memory_plan()
     }
 
     /// Turns every frozen float parameter of rank 2 or more (those that do not require

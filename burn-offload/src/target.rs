@@ -78,6 +78,25 @@ pub trait StreamTarget: FusedOps {
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
 }
 
+/// A reading of the device memory in use, in place of the backend's own
+/// ([`StreamTarget::memory_in_use`]): for a backend that reports none (the CPU), so that what
+/// depends on the reading (the trainer's measured budget) can run and be tested there.
+///
+/// Any `Fn(u64) -> Option<u64> + Send + Sync` is a probe.
+pub trait MemoryProbe: Send + Sync {
+    /// Bytes in use on the device now, or `None` when unknown. `weights` is what the engine
+    /// itself holds there at that moment (resident copies, the ring, a weight being uploaded),
+    /// for a probe that models a device rather than asking one. Called with the engine's lock
+    /// held: a probe must not call back into its weight stream.
+    fn in_use(&self, weights: u64) -> Option<u64>;
+}
+
+impl<F: Fn(u64) -> Option<u64> + Send + Sync> MemoryProbe for F {
+    fn in_use(&self, weights: u64) -> Option<u64> {
+        self(weights)
+    }
+}
+
 /// Memory of one CPU ring slot, aligned for any element type.
 struct SlotMemory {
     ptr: NonNull<u8>,

@@ -8,8 +8,11 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
+use std::sync::Arc;
+
 use burn_offload::{
-    Offload, OffloadConfig, OffloadError, Route, ScheduleOutcome, StepStats, WeightStream,
+    MemoryPlan, Offload, OffloadConfig, OffloadError, Route, ScheduleOutcome, StepStats,
+    WeightStream,
 };
 use common::{DIM, Path, Recompute, bits, data, net, train};
 
@@ -266,6 +269,99 @@ fn activation_headroom_comes_out_of_the_budget() {
         .reconfigure(stream.config().with_activation_headroom(weight_bytes))
         .unwrap();
     assert!(stream.routes().iter().all(|(_, r)| *r == Route::Ring));
+}
+
+#[test]
+fn a_probe_measures_what_a_step_needs_beyond_the_weights_and_the_budget_then_holds_it() {
+    use Route::{Resident as R, Ring as S};
+    let w = (DIM * DIM * 4) as u64;
+    // A device on which 5000 bytes are in use besides the engine's weights.
+    let beyond = 5000;
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::from_data(data(7, [64, DIM], 1.0, DType::F32), &device);
+    let expected = bits(
+        Modulated::<Flex>::new(&device)
+            .forward(x.clone())
+            .into_data(),
+    );
+    let config = ring_of_two().with_rates(1e9, 1e12);
+    let stream = WeightStream::<A>::new(&device, config.clone())
+        .unwrap()
+        .with_memory_probe(Arc::new(move |weights| Some(weights + beyond)));
+    let model = stream.stream_frozen(Modulated::<A>::new(&device)).unwrap();
+    let step = || {
+        stream.begin_step();
+        let out = model.forward(Tensor::<A, 2>::from_data(x.to_data(), &device));
+        assert_eq!(bits(out.into_data()), expected);
+        stream.end_step()
+    };
+    assert_eq!(stream.memory_beyond_weights(), Some(beyond));
+    // Budget 0: every weight streams through two slots of one weight each.
+    let streamed = step();
+    assert_eq!(streamed.peak_beyond_weights, Some(beyond));
+    assert_eq!(streamed.peak_device_bytes, Some(2 * w + beyond));
+
+    // The headroom and the ring of everything streamed need 2 w + 5000.
+    let short = config
+        .clone()
+        .with_vram_budget(2 * w + beyond - 1)
+        .with_activation_headroom(beyond);
+    let err = stream.reconfigure(short).unwrap_err();
+    assert!(
+        matches!(err, OffloadError::BudgetTooSmall { needed, ring, .. }
+            if needed == 2 * w + beyond && ring == 2 * w),
+        "{err}"
+    );
+    assert_eq!(
+        stream.config(),
+        config,
+        "a refused configuration changes nothing"
+    );
+
+    // One weight more: the one whose transfer cannot hide stays.
+    let budget = 3 * w + beyond;
+    stream
+        .reconfigure(
+            config
+                .with_vram_budget(budget)
+                .with_activation_headroom(beyond),
+        )
+        .unwrap();
+    let routes: Vec<Route> = stream.routes().into_iter().map(|(_, r)| r).collect();
+    assert_eq!(routes, vec![S, S, S, R]);
+    assert_eq!(
+        stream.memory_plan(),
+        MemoryPlan {
+            vram_budget: budget,
+            activation_headroom: beyond,
+            resident_weights: 1,
+            resident_bytes: w,
+            streamed_weights: 3,
+            ring_bytes: 2 * w,
+        }
+    );
+    for _ in 0..2 {
+        let stats = step();
+        assert_eq!(stats.peak_beyond_weights, Some(beyond));
+        assert_eq!(stats.peak_device_bytes, Some(budget));
+        assert_eq!((stats.resident_bytes, stats.ring_bytes), (w, 2 * w));
+    }
+}
+
+#[test]
+fn without_a_probe_the_cpu_reports_no_memory() {
+    let device = Default::default();
+    let stream = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let model = stream.stream_frozen(net::<A>(DType::F32, &device)).unwrap();
+    assert_eq!(stream.memory_beyond_weights(), None);
+    stream.begin_step();
+    let x = Tensor::<A, 2>::from_data(data(7, [4, DIM], 1.0, DType::F32), &device);
+    let _ = model.forward(x, Path::All).into_data();
+    let stats = stream.end_step();
+    assert_eq!(
+        (stats.peak_device_bytes, stats.peak_beyond_weights),
+        (None, None)
+    );
 }
 
 #[test]

@@ -3,8 +3,9 @@
 //!
 //! Sources: `tiny` builds small random models seeded from the run's seed (on the CPU, then
 //! copied to the device, so that every backend trains the same model); `random:` builds
-//! full-size ones on the device (random weights, for measuring speed and memory without the
-//! real files); files are loaded with burn-diffusion's loaders (BFL single files, diffusers
+//! full-size ones (random weights, for measuring speed and memory without the real files): on
+//! the device, or, when the weights stream, the transformer's and T5's matrices straight in
+//! host memory; files are loaded with burn-diffusion's loaders (BFL single files, diffusers
 //! folders, FP8 files). Every float parameter is brought to the model's dtype, except the VAE's.
 
 use burn::backend::{Autodiff, Flex};
@@ -27,7 +28,7 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, into_stream, source_name, streamed,
+    encoder_stream, into_stream, random_model, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -131,7 +132,8 @@ impl Flux1 {
     }
 
     /// CLIP-L and T5 in the model's dtype, on `device`; with a `stream`, T5's `Linear` weights
-    /// are streamed weights in host memory instead (loaded there directly from files).
+    /// are streamed weights in host memory instead (loaded or, for `random:`, made there
+    /// directly).
     fn text_encoders<B: StreamTarget>(
         plan: &TrainPlan,
         device: &B::Device,
@@ -173,7 +175,8 @@ impl Flux1 {
                 Offload::<B>::seed(device, seed ^ 2);
                 let clip = materialize(ClipTextConfig::clip_l().init(device), dtype);
                 Offload::<B>::seed(device, seed ^ 3);
-                (clip, materialize(T5Config::xxl().init(device), dtype))
+                let t5 = random_model(T5Config::xxl().init(device), dtype, seed ^ 3, stream, "T5")?;
+                (clip, t5)
             }
             ModelSource::Files(files) => {
                 let clip = ClipTextModel::load(files.get("text_encoder"), device, dtype)?;
@@ -228,7 +231,7 @@ impl Family for Flux1 {
         encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
     }
 
-    /// When the transformer streams its weights, T5 streams too, within the same budget.
+    /// When the transformer streams its weights, T5 streams too ([`encoder_stream`]).
     fn encode_captions<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
@@ -260,6 +263,8 @@ impl Family for Flux1 {
             .collect()
     }
 
+    /// With a `stream`, the `Linear` weights of files load, and those of `random:` are made,
+    /// straight in host memory.
     fn load<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
@@ -267,7 +272,8 @@ impl Family for Flux1 {
         stream: Option<&WeightStream<TrainBackend<B>>>,
     ) -> Result<Flux<TrainBackend<B>>, TrainError> {
         let dtype = float_dtype(plan);
-        TrainBackend::<B>::seed(device, plan.train.seed ^ 4);
+        let seed = plan.train.seed ^ 4;
+        TrainBackend::<B>::seed(device, seed);
         let flux = match (&plan.model.source, stream) {
             (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(
                 files.get("transformer"),
@@ -277,12 +283,14 @@ impl Family for Flux1 {
                 Flux::load(files.get("transformer"), device, dtype)?
             }
             (ModelSource::Tiny, _) => built_on_host(
-                plan.train.seed ^ 4,
+                seed,
                 dtype,
                 |host| self.config.init::<Flex>(host),
                 self.config.init(device),
             ),
-            (ModelSource::Random(_), _) => materialize(self.config.init(device), dtype),
+            (ModelSource::Random(_), stream) => {
+                random_model(self.config.init(device), dtype, seed, stream, "transformer")?
+            }
         };
         Ok(flux.no_grad())
     }
@@ -340,5 +348,48 @@ impl Family for Flux1 {
         let mut tape = BlockTape::new(checkpointing(plan));
         let prediction = flux.forward_with(input, &mut tape);
         mse_gradients(prediction, pair.target, tape, flux)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use burn_offload::OffloadConfig;
+
+    use super::*;
+
+    /// A `random:` transformer whose weights stream is made in host memory: every matrix the
+    /// stream would have taken from the device (`stream_frozen` of the same model made on the
+    /// device) was handed to it as it was made, so none is left for `stream_frozen`.
+    #[test]
+    fn a_random_transformer_that_streams_is_made_in_host_memory() {
+        let device = Default::default();
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny");
+        let mut plan = TrainPlan::load(&examples.join("config.yaml")).unwrap();
+        plan.model.source = ModelSource::Random("flux1-dev".into());
+        // The tiny shape, loaded as `random:` is.
+        let family = Flux1::of(&ModelSource::Tiny).unwrap();
+        let names = |stream: &WeightStream<TrainBackend<Flex>>| -> Vec<String> {
+            stream.routes().into_iter().map(|(name, _)| name).collect()
+        };
+
+        let placed = WeightStream::new(&device, OffloadConfig::default()).unwrap();
+        let flux = family.load::<Flex>(&plan, &device, Some(&placed)).unwrap();
+        let made_in_host_memory = names(&placed);
+        let flux = placed.stream_frozen(flux).unwrap();
+        assert_eq!(names(&placed), made_in_host_memory, "nothing left to move");
+
+        let moved = WeightStream::new(&device, OffloadConfig::default()).unwrap();
+        let on_device = family.load::<Flex>(&plan, &device, None).unwrap();
+        let on_device = moved.stream_frozen(on_device).unwrap();
+        assert_eq!(made_in_host_memory, names(&moved));
+        assert!(
+            made_in_host_memory
+                .iter()
+                .any(|name| name == "double_blocks.0.img_attn.qkv.weight"),
+            "{made_in_host_memory:?}"
+        );
+        assert_eq!(flux.num_params(), on_device.num_params());
     }
 }

@@ -17,6 +17,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
+use burn_diffusion::BlockTape;
 use burn_diffusion::flux2::{Flux2, Flux2Checkpoint, Flux2Config, Flux2Input};
 use burn_diffusion::materialize;
 use burn_diffusion::pipeline::{
@@ -26,7 +27,6 @@ use burn_diffusion::pipeline::{
 use burn_diffusion::text_decoder::{TextDecoder, TextDecoderConfig};
 use burn_diffusion::tokenize::{FLUX2_TEXT_LENGTH, PromptTokenizer};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
@@ -34,7 +34,7 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::{FlowPair, checkpointing, mse_gradients};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, into_stream, source_name, streamed,
+    encoder_stream, into_stream, random_model, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -252,16 +252,8 @@ impl Flux2Family {
                     ..preset
                 };
                 Offload::<B>::seed(device, seed);
-                let decoder = match stream {
-                    Some(stream) => {
-                        random_placed(config.init(device), dtype, seed, &mut into_stream(stream))
-                            .map_err(|source| TrainError::Random {
-                                model: "text decoder",
-                                source,
-                            })?
-                    }
-                    None => materialize(config.init(device), dtype),
-                };
+                let decoder =
+                    random_model(config.init(device), dtype, seed, stream, "text decoder")?;
                 (decoder, model)
             }
             ModelSource::Files(files) => {
@@ -404,17 +396,9 @@ impl Family for Flux2Family {
                 |host| self.config.init::<Flex>(host),
                 self.config.init(device),
             ),
-            (ModelSource::Random(_), Some(stream)) => random_placed(
-                self.config.init(device),
-                dtype,
-                seed,
-                &mut into_stream(stream),
-            )
-            .map_err(|source| TrainError::Random {
-                model: "transformer",
-                source,
-            })?,
-            (ModelSource::Random(_), None) => materialize(self.config.init(device), dtype),
+            (ModelSource::Random(_), stream) => {
+                random_model(self.config.init(device), dtype, seed, stream, "transformer")?
+            }
         };
         Ok(flux.no_grad())
     }

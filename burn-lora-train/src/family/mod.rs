@@ -19,8 +19,9 @@ use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_diffusion::vae::AutoencoderKl;
+use burn_diffusion::{materialize, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
@@ -147,7 +148,7 @@ pub trait Family: Sized {
     ) -> Result<Vec<Encoded>, TrainError>;
 
     /// Encodes `texts`, loading the text encoders and dropping them before returning (streaming
-    /// them within the budget where the denoiser streams); an encoding that is not finite is an
+    /// them where the denoiser streams, [`encoder_stream`]); an encoding that is not finite is an
     /// error naming the caption.
     fn encode_captions<B: StreamTarget>(
         &self,
@@ -156,8 +157,8 @@ pub trait Family: Sized {
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError>;
 
-    /// The denoiser, every parameter frozen; with a `stream`, its weights loaded from files go
-    /// straight to host memory as streamed weights.
+    /// The denoiser, every parameter frozen; with a `stream`, its weight matrices (loaded from
+    /// files, or made for `random:`) go straight to host memory as streamed weights.
     fn load<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
@@ -264,14 +265,34 @@ pub fn encode_vae_latents<B: Kernels>(
 }
 
 /// The weight stream the text encoders load into when the denoiser streams (the run's
-/// `model.offload` or `model.quantize`), else `None`.
+/// `model.offload` or `model.quantize`), else `None`. The encoders run before any step is
+/// measured: on a device that reports its memory, a budget that bounds anything has them
+/// stream every weight (`models::weight_stream`).
 pub fn encoder_stream<B: StreamTarget>(
     plan: &TrainPlan,
     device: &B::Device,
 ) -> Result<Option<WeightStream<Offload<B>>>, TrainError> {
-    Ok(crate::models::offload_config(plan)
-        .map(|config| WeightStream::<Offload<B>>::new(device, config))
-        .transpose()?)
+    Ok(crate::models::weight_stream::<Offload<B>>(
+        plan, device, None,
+    )?)
+}
+
+/// A `random:` model from `init` (lazily initialized) in `dtype`: with a `stream`, its `Linear`
+/// weights are made in host memory as streamed weights ([`random_placed`], from `seed`), never
+/// on the device, and its other parameters on the device; without, every parameter is created
+/// on the device. `model` names it in errors.
+pub fn random_model<OB: OffloadBackend, M: Module<OB>>(
+    init: M,
+    dtype: FloatDType,
+    seed: u64,
+    stream: Option<&WeightStream<OB>>,
+    model: &'static str,
+) -> Result<M, TrainError> {
+    match stream {
+        Some(stream) => random_placed(init, dtype, seed, &mut into_stream(stream))
+            .map_err(|source| TrainError::Random { model, source }),
+        None => Ok(materialize(init, dtype)),
+    }
 }
 
 /// The placement a loader hands weight matrices to ([`burn_diffusion::PlaceWeight`]): each

@@ -8,8 +8,8 @@
 //! - [`LossLog`] appends `step,loss,lr,seconds` rows to `loss.csv` (one `write` per row; a torn
 //!   last row is dropped when the file is read back), and [`plot_loss`] draws `loss.png`.
 //! - CubeCL's reports of the kernels it tunes (forwarded to `tracing` under `cubecl*` targets,
-//!   see `kernels.rs`) are counted rather than printed; a [`Heartbeat`] says every
-//!   [`HEARTBEAT`] what a long phase is doing, with the count and the latest kernel tuned.
+//!   see `kernels.rs`) are followed rather than printed; a [`Heartbeat`] says every
+//!   [`HEARTBEAT`] what a long phase is doing: how many shapes were tuned, and which was last.
 //! - [`StopFlag::install`] turns the first Ctrl-C into a request to stop (the loop saves a
 //!   checkpoint and exits); a second Ctrl-C ends the process at once.
 //!
@@ -132,12 +132,13 @@ fn from_cubecl(metadata: &tracing::Metadata<'_>) -> bool {
     metadata.target().starts_with("cubecl")
 }
 
-/// Kernels CubeCL has tuned in this process.
+/// Kernel shapes CubeCL has finished tuning in this process.
 static TUNED: AtomicU64 = AtomicU64::new(0);
-/// The first line of CubeCL's latest tuning report.
-static LATEST_TUNED: Mutex<String> = Mutex::new(String::new());
+/// What CubeCL started tuning last (its report's first line, shortened).
+static TUNING: Mutex<String> = Mutex::new(String::new());
 
-/// Counts CubeCL's tuning reports and keeps the latest one's first line.
+/// Follows CubeCL's autotune reports: "Tuning <key>" when it starts on a new shape, "Fastest
+/// result <kernel>-<key>" when it has chosen.
 struct KernelReports;
 
 impl<S: tracing::Subscriber> Layer<S> for KernelReports {
@@ -153,10 +154,12 @@ impl<S: tracing::Subscriber> Layer<S> for KernelReports {
         let mut message = Message(String::new());
         event.record(&mut message);
         let line = message.0.lines().next().unwrap_or_default();
-        let name = line.strip_prefix("Fastest result ").unwrap_or(line);
-        TUNED.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut latest) = LATEST_TUNED.lock() {
-            *latest = name.chars().take(80).collect();
+        if line.starts_with("Fastest result") {
+            TUNED.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(key) = line.strip_prefix("Tuning ")
+            && let Ok(mut tuning) = TUNING.lock()
+        {
+            *tuning = key.chars().take(100).collect();
         }
     }
 }
@@ -193,10 +196,11 @@ impl Heartbeat {
                 }
                 if timeout.timed_out() {
                     let tuned = TUNED.load(Ordering::Relaxed) - tuned_before;
-                    let latest = LATEST_TUNED.lock().map(|l| l.clone()).unwrap_or_default();
-                    let kernels = match tuned {
-                        0 => String::new(),
-                        n => format!("; GPU kernels tuned: {n} (latest: {latest})"),
+                    let tuning = TUNING.lock().map(|l| l.clone()).unwrap_or_default();
+                    let kernels = if tuning.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; GPU kernels tuned for {tuned} new shapes, latest {tuning}")
                     };
                     tracing::info!("{phase}: {:.0} s{kernels}", started.elapsed().as_secs_f64());
                 }

@@ -23,7 +23,7 @@ use burn::tensor::TensorData;
 use burn_offload::StreamTarget;
 
 use crate::checkpoint::{read_tensors, write_tensors};
-use crate::config::{TrainPlan, fnv1a64};
+use crate::config::{ModelSource, TrainPlan, fnv1a64};
 use crate::dataset::{Dataset, DatasetError};
 use crate::error::TrainError;
 use crate::family::{Encoded, Family, Schema, finite};
@@ -153,6 +153,12 @@ fn cache_file<F: Family>(
         plan.train.seed,
         family.cache_key(plan)
     );
+    if let ModelSource::Random(_) = plan.model.source {
+        // Random encoders that stream are made from the run's seed in host memory, the others
+        // by the device's generator: different weights, different encodings.
+        let streams = crate::models::offload_config(plan).is_some();
+        key.push_str(&format!("random encoders streamed {streams}\n"));
+    }
     for &i in items {
         let item = &dataset.items()[i];
         let meta = std::fs::metadata(&item.image).map_err(|source| DatasetError::Io {

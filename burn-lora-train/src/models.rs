@@ -17,7 +17,7 @@ use burn_quant::Fp8Format;
 use crate::config::TrainPlan;
 
 /// The weight stream's configuration, or `None` when every weight stays on the device.
-fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
+pub(crate) fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
     let model = &plan.model;
     if model.vram_budget_bytes.is_none() && model.wire.is_none() {
         return None;

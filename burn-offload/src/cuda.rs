@@ -295,10 +295,14 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         block_on(fence).unwrap_or_else(|e| panic!("waiting for a compute fence: {e:?}"));
     }
 
+    /// The device's used memory as the driver counts it, which is what `nvidia-smi` shows:
+    /// CubeCL's pools with the pages they keep reserved, the CUDA context, cuBLAS's and cuDNN's
+    /// workspaces (and any other process on the same GPU), not only the bytes CubeCL has handed
+    /// out.
     fn memory_in_use(device: &CudaDevice) -> Option<u64> {
-        CudaRuntime::client(device)
-            .memory_usage()
-            .ok()
-            .map(|usage| usage.bytes_in_use)
+        let side = SideContext::of(device).ok()?;
+        side.context().bind_to_thread().ok()?;
+        let (free, total) = result::mem_get_info().ok()?;
+        Some(total.saturating_sub(free) as u64)
     }
 }

@@ -74,7 +74,8 @@ pub trait StreamTarget: FusedOps {
     /// Blocks until `fence` has passed.
     fn wait(fence: Self::Fence);
 
-    /// Device bytes in use, where the backend reports them.
+    /// Device bytes in use, where the backend reports them (on CUDA, everything the driver
+    /// counts as used on the device).
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
 }
 

@@ -305,4 +305,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         let (free, total) = result::mem_get_info().ok()?;
         Some(total.saturating_sub(free) as u64)
     }
+
+    fn memory_handed_out(device: &CudaDevice) -> Option<u64> {
+        CudaRuntime::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_in_use)
+    }
 }

@@ -416,6 +416,16 @@ impl<B: StreamTarget> Engine<B> {
             .map(|(_, beyond)| beyond)
     }
 
+    /// Device memory handed out now by the backend's allocator (from the probe, else
+    /// [`StreamTarget::memory_handed_out`]), where it can be read.
+    pub fn memory_handed_out(&self) -> Option<u64> {
+        let st = self.lock();
+        match &st.probe {
+            Some(probe) => probe.in_use(st.weight_bytes(0)),
+            None => B::memory_handed_out(&self.device),
+        }
+    }
+
     /// How the plan in force divides the budget.
     pub fn memory_plan(&self) -> MemoryPlan {
         self.lock().planned.clone()

@@ -77,6 +77,13 @@ impl<B: OffloadBackend> WeightStream<B> {
         self.engine.memory_beyond_weights()
     }
 
+    /// Device memory the backend's allocator has handed out now, weights included
+    /// ([`StreamTarget::memory_handed_out`], or the probe's reading): what a step leaves
+    /// behind for the next, such as the optimizer state, shows as a difference of two of these.
+    pub fn memory_handed_out(&self) -> Option<u64> {
+        self.engine.memory_handed_out()
+    }
+
     /// How the plan in force divides the budget: headroom, resident weights (as planned: each
     /// is uploaded at its first use), streamed weights and ring.
     pub fn memory_plan(&self) -> MemoryPlan {

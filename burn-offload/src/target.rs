@@ -75,8 +75,15 @@ pub trait StreamTarget: FusedOps {
     fn wait(fence: Self::Fence);
 
     /// Device bytes in use, where the backend reports them (on CUDA, everything the driver
-    /// counts as used on the device).
+    /// counts as used on the device, the pages an allocator keeps after freeing included).
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
+
+    /// Device bytes the backend's allocator has handed out and not taken back, where it
+    /// reports them: memory that a later step cannot reuse. By default
+    /// [`memory_in_use`](Self::memory_in_use).
+    fn memory_handed_out(device: &Self::Device) -> Option<u64> {
+        Self::memory_in_use(device)
+    }
 }
 
 /// A reading of the device memory in use, in place of the backend's own

@@ -375,7 +375,7 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
 
     /// Before a step's first micro-batch.
     fn begin_step(&mut self) {
-        let before = self.stream.memory_handed_out().unwrap_or_default();
+        let before = self.stream.handed_out_beyond_weights().unwrap_or_default();
         self.measured = MemoryMeasurement {
             before,
             peak: self.stream.memory_beyond_weights().unwrap_or_default(),
@@ -395,7 +395,7 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
     /// beside that need, logs the plan and returns it; [`TrainError::Budget`] when the budget
     /// cannot hold the need even with every weight streamed.
     fn end_step(&mut self, plan: &TrainPlan, step: u64) -> Result<Option<MemoryPlan>, TrainError> {
-        if let Some(after) = self.stream.memory_handed_out() {
+        if let Some(after) = self.stream.handed_out_beyond_weights() {
             self.measured.after = after;
         }
         let need = self.measured.headroom();

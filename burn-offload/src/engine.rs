@@ -417,13 +417,15 @@ impl<B: StreamTarget> Engine<B> {
     }
 
     /// Device memory handed out now by the backend's allocator (from the probe, else
-    /// [`StreamTarget::memory_handed_out`]), where it can be read.
-    pub fn memory_handed_out(&self) -> Option<u64> {
+    /// [`StreamTarget::memory_handed_out`]) beyond the engine's weights, where it can be read.
+    pub fn handed_out_beyond_weights(&self) -> Option<u64> {
         let st = self.lock();
-        match &st.probe {
-            Some(probe) => probe.in_use(st.weight_bytes(0)),
+        let weights = st.weight_bytes(0);
+        let handed_out = match &st.probe {
+            Some(probe) => probe.in_use(weights),
             None => B::memory_handed_out(&self.device),
-        }
+        }?;
+        Some(handed_out.saturating_sub(weights))
     }
 
     /// How the plan in force divides the budget.

@@ -303,14 +303,13 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
 /// workspace.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryMeasurement {
-    /// Handed out before the step (parameters that stay on the device, cached inputs, an
-    /// optimizer state restored from a checkpoint), read as `after` is.
+    /// Handed out beyond the weights before the step (parameters that stay on the device,
+    /// cached inputs, an optimizer state restored from a checkpoint), read as `after` is.
     pub before: u64,
     /// The highest in use beyond the weights during the step's passes (forward, checkpoint
     /// recompute, backward), the allocator's kept pages included where the device counts them.
     pub peak: u64,
-    /// Handed out after the step, its optimizer update included: only the difference
-    /// `after - before` matters, so both may include the same weights.
+    /// Handed out beyond the weights after the step, its optimizer update included.
     pub after: u64,
 }
 

@@ -77,11 +77,11 @@ impl<B: OffloadBackend> WeightStream<B> {
         self.engine.memory_beyond_weights()
     }
 
-    /// Device memory the backend's allocator has handed out now, weights included
-    /// ([`StreamTarget::memory_handed_out`], or the probe's reading): what a step leaves
-    /// behind for the next, such as the optimizer state, shows as a difference of two of these.
-    pub fn memory_handed_out(&self) -> Option<u64> {
-        self.engine.memory_handed_out()
+    /// Device memory the backend's allocator has handed out now beyond this stream's weights
+    /// ([`StreamTarget::memory_handed_out`], or the probe's reading): what a step leaves behind
+    /// for the next, such as the optimizer state, shows as a difference of two of these.
+    pub fn handed_out_beyond_weights(&self) -> Option<u64> {
+        self.engine.handed_out_beyond_weights()
     }
 
     /// How the plan in force divides the budget: headroom, resident weights (as planned: each

@@ -74,7 +74,7 @@ mod tests {
     #[test]
     fn output_sizes_follow_the_convolution_arithmetic() {
         let shape = ConvPlan::new(&[2, 8, 9, 10], &[4, 8, 3, 3], &options(2, 1, 1, 1)).unwrap();
-        assert_eq!(shape.y, [2, 4, 5, 5]);
+        assert_eq!(shape.output_shape(), Shape::new([2, 4, 5, 5]));
         let shape = ConvPlan::new(&[1, 8, 9, 9], &[8, 2, 3, 3], &options(1, 0, 2, 4)).unwrap();
         assert_eq!(shape.y, [1, 8, 5, 5]);
         assert_eq!(shape.groups, 4);

@@ -493,18 +493,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn planner_table() {
-        use Route::{Direct as D, Resident as R, Ring as S};
-        // Four 100-byte weights used 3 times per step (forward, recompute, backward); weight 2
-        // has no compute to hide behind (a modulation-like matrix applied to one token), weight
-        // 0 hides its transfers completely (400 FLOP take longer than 3 x 100 bytes).
-        let four = vec![
+    /// Four 100-byte weights used 3 times per step (forward, recompute, backward); weight 2 has
+    /// no compute to hide behind (a modulation-like matrix applied to one token), weight 0
+    /// hides its transfers completely (400 FLOP take longer than 3 x 100 bytes).
+    fn four_weights() -> Vec<WeightProfile> {
+        vec![
             weight(100, 3, 400.0),
             weight(100, 3, 100.0),
             weight(100, 3, 0.0),
             weight(100, 3, 200.0),
-        ];
+        ]
+    }
+
+    #[test]
+    fn planner_table() {
+        use Route::{Direct as D, Resident as R, Ring as S};
+        let four = four_weights();
         let mut five = four.clone();
         five.push(weight(100, 3, 50.0));
         // (name, weights, limits, expected routes, resident bytes, ring bytes)
@@ -650,15 +654,10 @@ mod tests {
 
     #[test]
     fn a_plan_within_a_measured_headroom_stays_within_the_budget() {
-        // Four 100-byte weights with different costs: whatever the budget and the measured
-        // headroom, a plan the budget can hold keeps resident weights + ring + headroom
-        // within it, and one more byte of budget never makes fewer weights resident.
-        let four = vec![
-            weight(100, 3, 400.0),
-            weight(100, 3, 100.0),
-            weight(100, 3, 0.0),
-            weight(100, 3, 200.0),
-        ];
+        // Whatever the budget and the measured headroom, a plan the budget can hold keeps
+        // resident weights + ring + headroom within it, and one more byte of budget never makes
+        // fewer weights resident.
+        let four = four_weights();
         for headroom in [1, 150, 299, 300] {
             let mut resident = 0;
             for budget in (0..=800).step_by(25) {

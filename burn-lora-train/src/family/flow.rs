@@ -68,7 +68,9 @@ pub(crate) fn mse_gradients<B: FusedOps, M: AutodiffModule<Autodiff<B>>>(
     let loss = (prediction.cast(DType::F32) - Tensor::from_inner(target))
         .powi_scalar(2)
         .mean();
-    let value = loss.clone().into_scalar().elem::<f64>();
     let grads = GradientsParams::from_grads(tape.backward(&loss, model), model);
+    // Read after the backward is queued: reading first would leave the device idle while the
+    // host queues the backward.
+    let value = loss.into_scalar().elem::<f64>();
     (value, grads)
 }

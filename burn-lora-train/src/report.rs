@@ -560,6 +560,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cubecl_tuning_reports_are_followed_and_other_events_ignored() {
+        let subscriber =
+            tracing_subscriber::registry().with(KernelReports.with_filter(filter_fn(from_cubecl)));
+        let before = TUNED.load(Ordering::Relaxed);
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!(
+                target: "cubecl_runtime::tune::tuner",
+                "Tuning MatmulAutotuneKey - m: 512, n: 512, k: 64"
+            );
+            tracing::info!(
+                target: "cubecl_runtime::tune::tuner",
+                "Fastest result matmul_simple-MatmulAutotuneKey - m: 512. \n Top 3 times: []"
+            );
+            tracing::info!(target: "burn_lora_train", "Tuning is not CubeCL's here");
+        });
+        assert_eq!(TUNED.load(Ordering::Relaxed) - before, 1);
+        assert_eq!(
+            *TUNING.lock().unwrap(),
+            "MatmulAutotuneKey - m: 512, n: 512, k: 64"
+        );
+    }
+
+    #[test]
     fn smoothing_is_an_exponential_average_without_startup_bias() {
         let mut s = Smoothed::new(0.5);
         assert_eq!(s.value(), None);

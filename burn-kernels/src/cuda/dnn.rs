@@ -190,12 +190,19 @@ pub(crate) fn conv2d(
     }
     let dtype = data_type(x.dtype)?;
     let shape = ConvPlan::new(x.meta.shape(), weight.meta.shape(), options)?;
+    // Without cuDNN (no libcudnn), nothing is copied or allocated before falling back.
+    let (dnn, side) = match SideContext::of(&x.device).and_then(|side| Ok((side.dnn()?, side))) {
+        Ok(found) => found,
+        Err(error) => {
+            fell_back("cuDNN convolution", &error);
+            return None;
+        }
+    };
     let (x, weight) = (into_contiguous(x.clone()), into_contiguous(weight.clone()));
     let client = &x.client;
     let out_shape = shape.output_shape();
     let out = client.empty(out_shape.num_elements() * x.dtype.size());
-    let done = SideContext::of(&x.device).and_then(|side| {
-        let dnn = side.dnn()?;
+    let run = || -> Result<(), KernelError> {
         let dnn = dnn.lock().unwrap();
         side.context()
             .bind_to_thread()
@@ -234,8 +241,8 @@ pub(crate) fn conv2d(
             }
             .map_err(KernelError::device("cudnnConvolutionForward"))
         })
-    });
-    if let Err(error) = done {
+    };
+    if let Err(error) = run() {
         fell_back("cuDNN convolution", &error);
         return None;
     }

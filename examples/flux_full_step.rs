@@ -282,10 +282,11 @@ fn bench<P, O>(
                 end: &|| {
                     let s = stream.end_step();
                     format!(
-                        "\n  stream: {:?}, {} uses ({} prefetched, {} on demand, {} resident), {:.1} GB uploaded at {:.1} GB/s, host waited {:.2} s, resident {:.1} GB, ring {:.2} GB, pool peak {:.1} GB",
+                        "\n  stream: {:?}, {} uses ({} prefetched, {} kept, {} on demand, {} resident), {:.1} GB uploaded at {:.1} GB/s, host waited {:.2} s, resident {:.1} GB, ring {:.2} GB, pool peak {:.1} GB",
                         s.schedule,
                         s.weight_uses,
                         s.prefetched,
+                        s.kept,
                         s.on_demand,
                         s.resident_hits,
                         s.bytes_uploaded as f64 / 1e9,

@@ -429,13 +429,14 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
         let memory = self.stream.memory_plan();
         let split = format!(
             "within the {} budget {} of {} frozen weights stay resident ({}), {} stream \
-             through a {} ring",
+             through a {} ring, keeping up to {} between two uses",
             gb(memory.vram_budget),
             memory.resident_weights,
             memory.resident_weights + memory.streamed_weights,
             gb(memory.resident_bytes),
             memory.streamed_weights,
             gb(memory.ring_bytes),
+            gb(memory.retained_bytes),
         );
         let m = &self.measured;
         match self.headroom {

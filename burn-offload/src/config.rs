@@ -50,6 +50,10 @@ pub struct OffloadConfig {
     pub link_bytes_per_second: f64,
     /// Compute throughput the planner assumes for the linear ops (FLOP per second).
     pub compute_flops_per_second: f64,
+    /// A streamed weight used again at most this many uses later stays on the device in
+    /// between (a copy of its own, within the budget): a checkpointed block's recompute is
+    /// followed by its backward, which uses the same weights in reverse. 0 keeps nothing.
+    pub retain_window: usize,
     /// Debug mode: overwrite a slot with NaN as soon as it may be reused, so that a read of a
     /// released weight shows up as NaN instead of silently reading another weight.
     pub poison_released_slots: bool,
@@ -57,8 +61,9 @@ pub struct OffloadConfig {
 
 impl Default for OffloadConfig {
     /// Budget 0 (everything streams), 3 slots, a 1 MiB direct threshold, native wire format,
-    /// and the rates measured on an H200: 55 GB/s pinned upload, 200 TFLOP/s for Burn's bf16
-    /// matmul.
+    /// a retain window of 32 uses (a block of up to 16 streamed weights between its recompute
+    /// and its backward), and the rates measured on an H200: 55 GB/s pinned upload,
+    /// 200 TFLOP/s for Burn's bf16 matmul.
     fn default() -> Self {
         Self {
             vram_budget: 0,
@@ -68,6 +73,7 @@ impl Default for OffloadConfig {
             wire: WireFormat::Native,
             link_bytes_per_second: 55e9,
             compute_flops_per_second: 200e12,
+            retain_window: 32,
             poison_released_slots: false,
         }
     }
@@ -109,6 +115,12 @@ impl OffloadConfig {
     pub fn with_rates(mut self, link_bytes_per_second: f64, compute_flops_per_second: f64) -> Self {
         self.link_bytes_per_second = link_bytes_per_second;
         self.compute_flops_per_second = compute_flops_per_second;
+        self
+    }
+
+    /// Sets [`OffloadConfig::retain_window`].
+    pub fn with_retain_window(mut self, uses: usize) -> Self {
+        self.retain_window = uses;
         self
     }
 

@@ -265,6 +265,19 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         decode::<F, I, BT>(&ring.slots[slot].0, weight, device)
     }
 
+    /// A weight sent in its own dtype is read in place from the slot and copied on the
+    /// device; the decode of any other wire format already wrote a tensor of its own.
+    fn keep(
+        view: FloatTensor<Self>,
+        weight: &HostWeight,
+        _device: &CudaDevice,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        Ok(match weight.encoding {
+            Encoding::Native => view.copy(),
+            _ => view,
+        })
+    }
+
     /// Small weights go through Burn's own upload (ordered on the compute stream, so it needs
     /// no wait). Larger ones get a buffer of their own, filled by the same pinned copy as the
     /// ring (Burn's `from_data` would go through pageable memory), then decoded if the wire

@@ -4,7 +4,9 @@
 //! A slot goes `Free -> Filling -> Ready -> InUse -> Fenced -> Free`. The loader thread fills
 //! slots for the uses the replayed schedule announces, up to the prefetch depth ahead of the
 //! compute; the compute thread takes a `Ready` slot, runs its op on a view of it and releases it
-//! with a fence taken after the op. A `Fenced` slot is refilled (and, in the debug mode, poisoned
+//! with a fence taken after the op, or, when the policy's [`Retention`] says the weight is used
+//! again soon, first copies it into a tensor of its own that the next use takes without a
+//! transfer. A `Fenced` slot is refilled (and, in the debug mode, poisoned
 //! first) only after its fence has passed, so no op ever reads a slot that was reused. When the
 //! order of uses changes, the prefetched slots are dropped (a generation counter invalidates
 //! fills in flight) and the compute thread fetches on demand for the rest of the step.
@@ -17,7 +19,7 @@ use burn::tensor::ops::FloatTensor;
 
 use crate::config::OffloadConfig;
 use crate::policy::{
-    self, PlanLimits, Route, Schedule, ScheduleOutcome, Shortfall, Use, WeightProfile,
+    self, PlanLimits, Retention, Route, Schedule, ScheduleOutcome, Shortfall, Use, WeightProfile,
 };
 use crate::stats::{MemoryPlan, StepStats};
 use crate::target::{MemoryProbe, StreamTarget};
@@ -71,6 +73,7 @@ struct Counters {
     weight_uses: u64,
     prefetched: u64,
     on_demand: u64,
+    kept: u64,
     direct: u64,
     resident_hits: u64,
     materialized: u64,
@@ -90,6 +93,12 @@ struct State<B: StreamTarget> {
     resident: HashMap<u64, (FloatTensor<B>, u64)>,
     /// Device bytes of the resident copies.
     resident_bytes: u64,
+    /// Copies of streamed weights kept between two uses, with their device bytes.
+    kept: HashMap<u64, (FloatTensor<B>, u64)>,
+    /// Device bytes of the kept copies.
+    kept_bytes: u64,
+    /// Which replayed uses keep their weight, and which find it kept.
+    retention: Retention,
     /// How the last plan divides the budget.
     planned: MemoryPlan,
     /// Where device memory is read, in place of `B::memory_in_use`.
@@ -122,6 +131,12 @@ impl<B: StreamTarget> State<B> {
             (Route::Ring, Some(ring)) if B::slot_bytes(weight) > ring.slot_bytes => Route::Direct,
             _ => route,
         }
+    }
+
+    /// Drops the copies kept between uses.
+    fn drop_kept(&mut self) {
+        self.kept.clear();
+        self.kept_bytes = 0;
     }
 
     /// Cancels prefetching: fills in flight will be discarded, ready slots are freed.
@@ -178,6 +193,8 @@ impl<B: StreamTarget> State<B> {
             let key = order[index];
             let weight = self.weights.get(&key).and_then(Weak::upgrade);
             match weight {
+                // The compute takes the copy kept since the previous use.
+                _ if self.retention.is_kept(index) => self.next_fill += 1,
                 Some(weight) if self.route(&weight) == Route::Ring => {
                     let claim = self.claim(Some(index))?;
                     self.next_fill += 1;
@@ -193,10 +210,11 @@ impl<B: StreamTarget> State<B> {
         self.ring.as_ref()?.slots.iter().position(pred)
     }
 
-    /// Device bytes the engine holds for weights now: resident copies, the ring, and
-    /// `uploading` (a weight uploaded into a tensor of its own, not yet counted elsewhere).
+    /// Device bytes the engine holds for weights now: resident copies, the ring, the copies
+    /// kept between uses, and `uploading` (a weight uploaded into a tensor of its own, not yet
+    /// counted elsewhere).
     fn weight_bytes(&self, uploading: u64) -> u64 {
-        self.resident_bytes + self.ring_bytes() + uploading
+        self.resident_bytes + self.ring_bytes() + self.kept_bytes + uploading
     }
 
     /// Device memory in use now (from the probe, else the backend) and how much of it is
@@ -260,13 +278,22 @@ impl<B: StreamTarget> State<B> {
         (live, profiles)
     }
 
-    /// Recomputes the routes ([`State::profiles`]) and drops resident copies that are no
-    /// longer wanted.
+    /// Recomputes the routes ([`State::profiles`]) and the retention of the recorded order,
+    /// and drops resident copies that are no longer wanted.
     fn replan(&mut self) {
         self.weights.retain(|_, w| w.strong_count() > 0);
         let (live, profiles) = self.profiles();
         let limits = plan_limits(&self.config);
-        let plan = policy::plan(&profiles, &limits);
+        let index: HashMap<u64, usize> = live.iter().enumerate().map(|(i, w)| (w.id, i)).collect();
+        let order: Vec<Option<usize>> = self
+            .schedule
+            .recorded()
+            .unwrap_or_default()
+            .iter()
+            .map(|key| index.get(key).copied())
+            .collect();
+        let (plan, retention) =
+            policy::plan_step(&profiles, &order, self.config.retain_window, &limits);
         let resident_weights = plan
             .routes
             .iter()
@@ -279,7 +306,10 @@ impl<B: StreamTarget> State<B> {
             resident_bytes: plan.resident_bytes,
             streamed_weights: live.len() - resident_weights,
             ring_bytes: plan.ring_bytes,
+            retained_bytes: retention.peak_bytes,
         };
+        self.retention = retention;
+        self.drop_kept();
         self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
         let routes = &self.routes;
         let mut dropped = 0;
@@ -295,6 +325,8 @@ impl<B: StreamTarget> State<B> {
             weights = live.len(),
             resident_bytes = plan.resident_bytes,
             ring_bytes = plan.ring_bytes,
+            retained_bytes = self.planned.retained_bytes,
+            kept_uses = self.retention.kept_uses(),
             headroom = limits.activation_headroom,
             "offload plan"
         );
@@ -355,6 +387,9 @@ impl<B: StreamTarget> Engine<B> {
                     routes: HashMap::new(),
                     resident: HashMap::new(),
                     resident_bytes: 0,
+                    kept: HashMap::new(),
+                    kept_bytes: 0,
+                    retention: Retention::default(),
                     planned: MemoryPlan::default(),
                     probe: None,
                     ring: None,
@@ -462,6 +497,7 @@ impl<B: StreamTarget> Engine<B> {
         let mut st = self.lock();
         st.schedule.begin_step();
         st.cancel_prefetch();
+        st.drop_kept();
         st.next_fill = 0;
         st.consumed = 0;
         st.profile.clear();
@@ -484,6 +520,7 @@ impl<B: StreamTarget> Engine<B> {
             st.replan();
         }
         st.cancel_prefetch();
+        st.drop_kept();
         st.steps += 1;
         st.sample_memory(&self.device, 0);
         let c = std::mem::take(&mut st.counters);
@@ -493,6 +530,7 @@ impl<B: StreamTarget> Engine<B> {
             weight_uses: c.weight_uses,
             prefetched: c.prefetched,
             on_demand: c.on_demand,
+            kept: c.kept,
             direct: c.direct,
             resident_hits: c.resident_hits,
             materialized: c.materialized,
@@ -516,6 +554,7 @@ impl<B: StreamTarget> Engine<B> {
             uses = stats.weight_uses,
             prefetched = stats.prefetched,
             on_demand = stats.on_demand,
+            kept = stats.kept,
             materialized = stats.materialized,
             uploaded_mb = stats.bytes_uploaded / 1_000_000,
             upload_gbps = stats.upload_gbps(),
@@ -587,9 +626,10 @@ impl<B: StreamTarget> Engine<B> {
         entry.1 += flops;
         let decision = st.schedule.on_use(weight.id);
         if decision == Use::Fallback {
-            // The order left the recording: drop what was prefetched (a no-op after the first
-            // such use, as the loader has nothing left to replay).
+            // The order left the recording: drop what was prefetched and kept (a no-op after
+            // the first such use, as the loader has nothing left to replay).
             st.cancel_prefetch();
+            st.drop_kept();
         }
         if st.ring.is_none() && st.route(weight) == Route::Ring {
             st = self.resize_ring(st);
@@ -621,6 +661,26 @@ impl<B: StreamTarget> Engine<B> {
                 op(self.upload(weight))
             }
             Route::Ring => {
+                let replayed = match decision {
+                    Use::Replay(index) => Some(index),
+                    _ => None,
+                };
+                if let Some(index) = replayed.filter(|&i| st.retention.is_kept(i))
+                    && let Some((tensor, bytes)) = st.kept.remove(&weight.id)
+                {
+                    st.kept_bytes -= bytes;
+                    st.consumed = index + 1;
+                    st.counters.kept += 1;
+                    if st.retention.keeps(index) {
+                        st.kept_bytes += bytes;
+                        st.kept.insert(weight.id, (tensor.clone(), bytes));
+                    }
+                    st.sample_memory(&self.device, 0);
+                    drop(st);
+                    self.shared.changed.notify_all();
+                    return op(tensor);
+                }
+                let keep = replayed.is_some_and(|i| st.retention.keeps(i));
                 let slot = match decision {
                     Use::Replay(index) if depth > 0 => self.take_prefetched(st, weight, index),
                     _ => self.fetch_on_demand(st, weight),
@@ -634,9 +694,21 @@ impl<B: StreamTarget> Engine<B> {
                     let ring = st.ring.as_ref().expect("ring of a leased slot");
                     B::view(&ring.memory, slot, weight, &self.device)
                 };
-                let out = op(view);
+                if !keep {
+                    let out = op(view);
+                    drop(lease);
+                    return out;
+                }
+                let tensor = B::keep(view, weight, &self.device)
+                    .unwrap_or_else(|e| panic!("keeping `{}`: {e}", weight.name));
                 drop(lease);
-                out
+                let bytes = weight.device_bytes() as u64;
+                let mut st = self.lock();
+                st.kept_bytes += bytes;
+                st.kept.insert(weight.id, (tensor.clone(), bytes));
+                st.sample_memory(&self.device, 0);
+                drop(st);
+                op(tensor)
             }
         }
     }

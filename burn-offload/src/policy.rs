@@ -1,8 +1,9 @@
 //! Decisions, free of device code: the prefetch schedule and the residency plan.
 //!
 //! The engine asks [`Schedule`] what each weight use is (recorded, replayed, or fetched on demand
-//! after the order changed), asks [`plan`] which weights stay resident and [`shortfall`] whether
-//! a budget holds the activation headroom a caller measured ([`MemoryMeasurement`]); it executes
+//! after the order changed), asks [`plan_step`] which weights stay resident and which uses keep
+//! their weight on the device until its next use ([`Retention`]), and [`shortfall`] whether a
+//! budget holds the activation headroom a caller measured ([`MemoryMeasurement`]); it executes
 //! the answers with its ring, loader thread and fences. Nothing here imports Burn or touches a
 //! device.
 
@@ -151,6 +152,11 @@ impl Schedule {
         }
     }
 
+    /// The recorded order, if any, whether or not a step is running.
+    pub fn recorded(&self) -> Option<&[WeightKey]> {
+        self.order.as_deref()
+    }
+
     /// The recorded order, while a step replays it (the loader's work list).
     pub fn replay_order(&self) -> Option<&[WeightKey]> {
         match self.state {
@@ -296,6 +302,149 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
         resident_bytes,
         slot_bytes,
     }
+}
+
+/// Which uses of a recorded step keep their weight on the device until the weight's next use,
+/// so that the next use needs no transfer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Retention {
+    keep: Vec<bool>,
+    kept: Vec<bool>,
+    /// The most bytes kept at once.
+    pub peak_bytes: u64,
+}
+
+impl Retention {
+    /// Whether use `index` keeps its weight until the weight's next use.
+    pub fn keeps(&self, index: usize) -> bool {
+        self.keep.get(index).copied().unwrap_or(false)
+    }
+
+    /// Whether use `index` finds its weight kept since the weight's previous use.
+    pub fn is_kept(&self, index: usize) -> bool {
+        self.kept.get(index).copied().unwrap_or(false)
+    }
+
+    /// Uses per step that find their weight kept: transfers saved.
+    pub fn kept_uses(&self) -> usize {
+        self.kept.iter().filter(|k| **k).count()
+    }
+}
+
+/// Chooses the uses of `order` (each the index of its weight in `weights`, `None` for a
+/// weight no longer live) after which a weight routed through the ring stays on the device
+/// until its next use, at most `window` uses later, with at most `limit` bytes (the weights'
+/// `device_bytes`) kept at once.
+///
+/// Candidates are taken shortest first (then by position), each if the bytes kept over its
+/// span stay within `limit`. A checkpointed block's recompute runs just before its backward,
+/// which uses the same weights in reverse: keeping them between the two saves one of the
+/// three crossings of the bus per step, for the memory of one block's weights.
+pub fn retention(
+    order: &[Option<usize>],
+    weights: &[WeightProfile],
+    routes: &[Route],
+    window: usize,
+    limit: u64,
+) -> Retention {
+    let n = order.len();
+    let mut next = vec![None; n];
+    let mut seen: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for (i, w) in order.iter().enumerate().rev() {
+        if let Some(w) = *w {
+            next[i] = seen.insert(w, i);
+        }
+    }
+    let mut spans: Vec<(usize, usize, u64)> = order
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| {
+            let w = (*w)?;
+            let j = next[i]?;
+            (routes[w] == Route::Ring && j - i <= window).then(|| (i, j, weights[w].device_bytes))
+        })
+        .collect();
+    spans.sort_by_key(|&(i, j, _)| (j - i, i));
+    let mut held = vec![0u64; n];
+    let mut retention = Retention {
+        keep: vec![false; n],
+        kept: vec![false; n],
+        peak_bytes: 0,
+    };
+    for (i, j, bytes) in spans {
+        // Kept from use i up to use j, where it is consumed (or kept again for a later span).
+        let most = held[i..j].iter().copied().max().unwrap_or(0);
+        if most.saturating_add(bytes) <= limit {
+            held[i..j].iter_mut().for_each(|h| *h += bytes);
+            retention.keep[i] = true;
+            retention.kept[j] = true;
+        }
+    }
+    retention.peak_bytes = held.into_iter().max().unwrap_or(0);
+    retention
+}
+
+/// [`plan`] for a step whose uses come in `order` ([`retention`]'s), keeping weights between
+/// uses at most `window` apart: the retention takes what the budget leaves beside the
+/// activation headroom and the ring of a plan that streams everything (with no bound at budget
+/// 0), and the resident weights are planned in what it leaves. Retention comes first: keeping
+/// one block's weights between its recompute and its backward saves a third of every streamed
+/// weight's transfers, where the same bytes kept resident save the transfers of those weights
+/// alone. Where [`plan`] without retention moves no more bytes per step (a budget that holds
+/// nearly every weight), that plan is taken instead.
+pub fn plan_step(
+    weights: &[WeightProfile],
+    order: &[Option<usize>],
+    window: usize,
+    limits: &PlanLimits,
+) -> (Plan, Retention) {
+    let streamed = plan(
+        weights,
+        &PlanLimits {
+            vram_budget: 0,
+            activation_headroom: 0,
+            ..*limits
+        },
+    );
+    let limit = match limits.vram_budget {
+        0 => u64::MAX,
+        budget => budget
+            .saturating_sub(limits.activation_headroom)
+            .saturating_sub(streamed.ring_bytes),
+    };
+    let most = retention(order, weights, &streamed.routes, window, limit);
+    let plan = self::plan(
+        weights,
+        &PlanLimits {
+            activation_headroom: limits.activation_headroom.saturating_add(most.peak_bytes),
+            ..*limits
+        },
+    );
+    let retention = retention(order, weights, &plan.routes, window, most.peak_bytes);
+    let without = self::plan(weights, limits);
+    if bytes_moved(weights, order, &without, &Retention::default())
+        <= bytes_moved(weights, order, &plan, &retention)
+    {
+        return (without, Retention::default());
+    }
+    (plan, retention)
+}
+
+/// Bytes a step moves over the bus with `plan` and `retention`: every use of a streamed weight
+/// but those that find it kept.
+fn bytes_moved(
+    weights: &[WeightProfile],
+    order: &[Option<usize>],
+    plan: &Plan,
+    retention: &Retention,
+) -> u64 {
+    order
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| Some((i, (*w)?)))
+        .filter(|&(i, w)| plan.routes[w] != Route::Resident && !retention.is_kept(i))
+        .map(|(_, w)| weights[w].wire_bytes)
+        .sum()
 }
 
 /// Device memory beyond the weights (resident copies and ring), as measured over a run's first
@@ -616,6 +765,114 @@ mod tests {
             };
             assert_eq!(measured.headroom(), headroom, "{measured:?}");
         }
+    }
+
+    /// `blocks` checkpointed blocks of two weights each (block k: weights 2k, 2k + 1): the
+    /// forward, then per block from the last, its recompute and its backward in reverse.
+    fn checkpointed(blocks: usize) -> Vec<Option<usize>> {
+        let mut order: Vec<usize> = (0..2 * blocks).collect();
+        for k in (0..blocks).rev() {
+            order.extend([2 * k, 2 * k + 1, 2 * k + 1, 2 * k]);
+        }
+        order.into_iter().map(Some).collect()
+    }
+
+    fn kept_uses(r: &Retention, n: usize) -> (Vec<usize>, Vec<usize>) {
+        let keeps = (0..n).filter(|&i| r.keeps(i)).collect();
+        let kept = (0..n).filter(|&i| r.is_kept(i)).collect();
+        (keeps, kept)
+    }
+
+    #[test]
+    fn retention_keeps_the_shortest_spans_within_the_window_and_the_limit() {
+        // a b c d | c d d c | a b b a
+        let order = checkpointed(2);
+        let weights = vec![weight(100, 3, 0.0); 4];
+        let ring = vec![Route::Ring; 4];
+        // (window, limit, uses that keep, uses that find their weight kept, peak)
+        type Case = (usize, u64, Vec<usize>, Vec<usize>, u64);
+        let cases: Vec<Case> = vec![
+            // Every span up to 3 uses long: recompute -> backward of both blocks, and the last
+            // block's forward -> recompute; the first block's forward -> recompute (8) is not.
+            (
+                3,
+                u64::MAX,
+                vec![2, 3, 4, 5, 8, 9],
+                vec![4, 5, 6, 7, 10, 11],
+                200,
+            ),
+            // One weight at a time: the two spans of one use, then c's 2-use span.
+            (3, 100, vec![2, 5, 9], vec![4, 6, 10], 100),
+            (1, u64::MAX, vec![5, 9], vec![6, 10], 100),
+            (3, 99, vec![], vec![], 0),
+            (0, u64::MAX, vec![], vec![], 0),
+        ];
+        for (window, limit, keeps, kept, peak) in cases {
+            let r = retention(&order, &weights, &ring, window, limit);
+            assert_eq!(
+                kept_uses(&r, order.len()),
+                (keeps, kept.clone()),
+                "{window} {limit}"
+            );
+            assert_eq!(r.peak_bytes, peak, "{window} {limit}");
+            assert_eq!(r.kept_uses(), kept.len());
+        }
+        // Resident weights and weights no longer live are not kept.
+        let routes = vec![Route::Ring, Route::Ring, Route::Resident, Route::Direct];
+        let mut order = checkpointed(2);
+        order[9] = None;
+        let r = retention(&order, &weights, &routes, 3, u64::MAX);
+        assert_eq!(kept_uses(&r, order.len()), (vec![8], vec![11]));
+    }
+
+    #[test]
+    fn a_step_plan_keeps_retention_resident_weights_ring_and_headroom_within_the_budget() {
+        let order = checkpointed(4);
+        let eight = vec![weight(100, 3, 0.0); 8];
+        for headroom in [0, 100] {
+            for budget in (300..=1000).step_by(50) {
+                let limits = PlanLimits {
+                    activation_headroom: headroom,
+                    ..limits(budget)
+                };
+                let (p, r) = plan_step(&eight, &order, 3, &limits);
+                let used = p.resident_bytes + p.ring_bytes + r.peak_bytes + headroom;
+                assert!(used <= budget, "budget {budget}, headroom {headroom}");
+                // Never more than the plan without retention.
+                let without = bytes_moved(
+                    &eight,
+                    &order,
+                    &plan(&eight, &limits),
+                    &Retention::default(),
+                );
+                assert!(bytes_moved(&eight, &order, &p, &r) <= without);
+                for (i, w) in order.iter().enumerate() {
+                    if r.keeps(i) || r.is_kept(i) {
+                        assert_eq!(p.routes[w.unwrap()], Route::Ring);
+                    }
+                }
+            }
+        }
+        // 400 bytes: keeping one block (200) beside the ring (200) saves a transfer of each
+        // block's two weights and of the last block's forward: 14 of 24 uses cross, where two
+        // resident weights would leave 18.
+        let (p, r) = plan_step(&eight, &order, 3, &limits(400));
+        assert_eq!((p.resident_bytes, r.peak_bytes), (0, 200));
+        assert_eq!(bytes_moved(&eight, &order, &p, &r), 1400);
+        let without = plan(&eight, &limits(400));
+        assert_eq!(
+            bytes_moved(&eight, &order, &without, &Retention::default()),
+            1800
+        );
+        // 800 bytes hold every weight without a ring: nothing to keep.
+        let (p, r) = plan_step(&eight, &order, 3, &limits(800));
+        assert_eq!((p.resident_bytes, p.ring_bytes, r.peak_bytes), (800, 0, 0));
+        // Budget 0 streams every weight and keeps every span in the window.
+        let (p, r) = plan_step(&eight, &order, 3, &limits(0));
+        assert_eq!(
+            (p.resident_bytes, r.kept_uses(), r.peak_bytes),
+            (0, 10, 200)
+        );
     }
 
     #[test]

@@ -16,6 +16,9 @@ pub struct StepStats {
     /// Uses whose weight the compute thread fetched itself into a slot (recording step, order
     /// changed, or a policy without lookahead).
     pub on_demand: u64,
+    /// Uses served by a copy kept on the device since the weight's previous use
+    /// ([`OffloadConfig::retain_window`](crate::OffloadConfig::retain_window)).
+    pub kept: u64,
     /// Uses of small weights uploaded by the direct path.
     pub direct: u64,
     /// Uses of resident weights.
@@ -62,6 +65,8 @@ pub struct MemoryPlan {
     pub streamed_weights: usize,
     /// Bytes of the ring the plan needs.
     pub ring_bytes: u64,
+    /// The most bytes of streamed weights kept on the device between two uses at once.
+    pub retained_bytes: u64,
 }
 
 impl StepStats {

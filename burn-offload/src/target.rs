@@ -61,6 +61,14 @@ pub trait StreamTarget: FusedOps {
         device: &Self::Device,
     ) -> FloatTensor<Self>;
 
+    /// `weight` in a tensor of its own that no later fill of a slot changes, given `view`, its
+    /// [`view`](Self::view) of a slot: what the engine keeps between two uses.
+    fn keep(
+        view: FloatTensor<Self>,
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError>;
+
     /// Uploads `weight` into a tensor of its own.
     fn upload(
         weight: &HostWeight,
@@ -237,6 +245,15 @@ impl StreamTarget for Flex {
         let bytes = unsafe { Bytes::from_controller(Box::new(view), len) };
         let data = TensorData::from_bytes(bytes, weight.shape.clone(), weight.dtype);
         Flex::float_from_data(data, device)
+    }
+
+    /// Decodes `weight` from host memory again: on the CPU, copying the slot costs as much.
+    fn keep(
+        _view: FloatTensor<Self>,
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        Self::upload(weight, device)
     }
 
     fn upload(

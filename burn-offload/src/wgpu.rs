@@ -87,6 +87,15 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .expect("a slot is read only between its fill and its release")
     }
 
+    /// Each fill uploads a tensor of its own, which the view already is.
+    fn keep(
+        view: FloatTensor<Self>,
+        _weight: &HostWeight,
+        _device: &WgpuDevice,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        Ok(view)
+    }
+
     fn upload(weight: &HostWeight, device: &WgpuDevice) -> Result<FloatTensor<Self>, OffloadError> {
         Ok(Self::float_from_data(weight.decode(), device))
     }

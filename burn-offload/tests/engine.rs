@@ -79,7 +79,11 @@ fn a_changed_order_falls_back_on_demand_then_replays_the_new_one() {
         ]
     );
     assert_eq!((stats[2].prefetched, stats[2].on_demand), (3, 7));
-    assert_eq!((stats[3].prefetched, stats[3].on_demand), (10, 0));
+    // Replayed: the four backward uses find their weights kept since the forward.
+    assert_eq!(
+        (stats[3].prefetched, stats[3].on_demand, stats[3].kept),
+        (6, 0, 4)
+    );
     assert_eq!((stats[4].prefetched, stats[4].on_demand), (3, 13));
 }
 
@@ -338,6 +342,7 @@ fn a_probe_measures_what_a_step_needs_beyond_the_weights_and_the_budget_then_hol
             resident_bytes: w,
             streamed_weights: 3,
             ring_bytes: 2 * w,
+            retained_bytes: 0,
         }
     );
     for _ in 0..2 {

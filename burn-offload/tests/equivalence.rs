@@ -83,14 +83,39 @@ fn uses(recompute: Recompute) -> usize {
     }
 }
 
+/// Frozen matrices of the network: each crosses the bus once per replayed step, as every later
+/// use comes within the default retain window and finds it kept.
+const WEIGHTS: usize = 9;
+
 fn check_schedule(stats: &[StepStats], recompute: Recompute) {
     let n = uses(recompute);
     assert_eq!(stats[0].schedule, ScheduleOutcome::Recorded { uses: n });
     assert_eq!(stats[0].on_demand, n as u64);
     for s in &stats[1..] {
         assert_eq!(s.schedule, ScheduleOutcome::Replayed { uses: n });
-        assert_eq!((s.prefetched, s.on_demand), (n as u64, 0));
+        assert_eq!(
+            (s.prefetched, s.kept, s.on_demand),
+            (WEIGHTS as u64, (n - WEIGHTS) as u64, 0)
+        );
         assert_eq!(s.materialized, 0, "a streamed weight left the linear ops");
+    }
+}
+
+#[test]
+fn a_narrower_retain_window_keeps_fewer_uses_with_the_same_results() {
+    let expected = reference::<Autodiff<Flex>>(DType::F32, Recompute::Blocks);
+    // (window, kept per replayed step): 5 holds each block's recompute -> backward (spans of
+    // 1, 3 and 5 uses) and the last block's forward -> recompute (3); 0 keeps nothing.
+    for (window, kept) in [(5, 12), (0, 0)] {
+        let config = ring_of_two().with_retain_window(window);
+        let (records, stats) =
+            streamed::<Autodiff<Offload<Flex>>>(DType::F32, Recompute::Blocks, config);
+        assert_eq!(records, expected, "window {window}");
+        let n = uses(Recompute::Blocks) as u64;
+        for s in &stats[1..] {
+            assert_eq!((s.prefetched, s.kept), (n - kept, kept), "window {window}");
+            assert_eq!(s.on_demand, 0);
+        }
     }
 }
 
@@ -135,8 +160,10 @@ fn without_lookahead_every_use_is_fetched_on_demand() {
         streamed::<Autodiff<Offload<Flex, OnDemand>>>(DType::F32, Recompute::Blocks, ring_of_two());
     assert_eq!(records, expected);
     let n = uses(Recompute::Blocks) as u64;
-    for s in &stats {
-        assert_eq!((s.prefetched, s.on_demand), (0, n));
+    assert_eq!((stats[0].prefetched, stats[0].on_demand), (0, n));
+    for s in &stats[1..] {
+        assert_eq!((s.prefetched, s.kept), (0, n - WEIGHTS as u64));
+        assert_eq!(s.on_demand, WEIGHTS as u64);
     }
 }
 

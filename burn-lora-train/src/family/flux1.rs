@@ -40,8 +40,6 @@ use crate::rng::Rng;
 const TINY_TOKENS: usize = 16;
 /// CLIP's caption length in the FLUX.1 pipeline.
 const CLIP_TOKENS: usize = 77;
-/// Images encoded by the VAE per batch (of one bucket).
-const VAE_BATCH: usize = 4;
 /// Captions encoded per batch.
 const TEXT_BATCH: usize = 8;
 
@@ -228,7 +226,7 @@ impl Family for Flux1 {
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
         let vae = Self::vae::<Offload<B>>(plan, device)?;
-        encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
+        encode_vae_latents(vae, plan, dataset, items, LATENT, device)
     }
 
     /// When the transformer streams its weights, T5 streams too ([`encoder_stream`]).

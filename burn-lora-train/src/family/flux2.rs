@@ -47,10 +47,6 @@ use crate::rng::Rng;
 const TINY_TOKENS: usize = 64;
 /// The tiny decoder's stacked hidden states.
 const TINY_LAYERS: [usize; 3] = [1, 2, 3];
-/// Images encoded by the VAE per call: one. The encoder runs once per image, at sizes where one
-/// image fills the GPU, and CubeCL tunes each of its kernels on first use by running every
-/// candidate on the whole batch, so on a fresh machine a larger batch only lengthens the tuning.
-const VAE_BATCH: usize = 1;
 /// Captions encoded per batch.
 const TEXT_BATCH: usize = 4;
 
@@ -337,7 +333,7 @@ impl Family for Flux2Family {
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
         let vae = self.vae::<Offload<B>>(plan, device)?;
-        encode_vae_latents(vae, plan, dataset, items, VAE_BATCH, LATENT, device)
+        encode_vae_latents(vae, plan, dataset, items, LATENT, device)
     }
 
     /// When the transformer streams its weights, the text decoder streams too, within the

@@ -235,30 +235,33 @@ pub fn encode_images_by_bucket<B: Kernels>(
 }
 
 /// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in f32, kept in the
-/// model's dtype) of the images of `items`, `batch` images at a time, each under `name`; the
-/// VAE is dropped before returning.
+/// model's dtype) of the images of `items`, one image at a time, each under `name`; the VAE is
+/// dropped before returning.
+///
+/// One at a time: the f32 activations of one 1024² image take gigabytes, and the encoders run
+/// before the run's budget is measured; CubeCL tunes a kernel on its first use by running
+/// every candidate on the whole input, so on a fresh machine a larger batch also lengthens the
+/// tuning, and one image per call keeps one shape per bucket.
 pub fn encode_vae_latents<B: Kernels>(
     vae: AutoencoderKl<B>,
     plan: &TrainPlan,
     dataset: &Dataset,
     items: &[usize],
-    batch: usize,
     name: &str,
     device: &B::Device,
 ) -> Result<Vec<Encoded>, TrainError> {
-    let encoded =
-        encode_images_by_bucket::<B>(dataset, items, batch, device, "the VAE", |images| {
-            let latents = vae
-                .encode_latents(images.cast(DType::F32))
-                .cast(plan.model.dtype);
-            latents
-                .iter_dim(0)
-                .map(|latent| {
-                    let latent = latent.squeeze_dim::<3>(0).into_data();
-                    Encoded::from([(name.to_string(), latent)])
-                })
-                .collect()
-        });
+    let encoded = encode_images_by_bucket::<B>(dataset, items, 1, device, "the VAE", |images| {
+        let latents = vae
+            .encode_latents(images.cast(DType::F32))
+            .cast(plan.model.dtype);
+        latents
+            .iter_dim(0)
+            .map(|latent| {
+                let latent = latent.squeeze_dim::<3>(0).into_data();
+                Encoded::from([(name.to_string(), latent)])
+            })
+            .collect()
+    });
     drop(vae);
     B::memory_cleanup(device);
     encoded

@@ -279,8 +279,8 @@ impl<B: StreamTarget> State<B> {
     }
 
     /// Recomputes the routes ([`State::profiles`]) and the retention of the recorded order,
-    /// and drops resident copies that are no longer wanted.
-    fn replan(&mut self) {
+    /// and drops resident copies that are no longer wanted; returns their bytes.
+    fn replan(&mut self) -> u64 {
         self.weights.retain(|_, w| w.strong_count() > 0);
         let (live, profiles) = self.profiles();
         let limits = plan_limits(&self.config);
@@ -309,7 +309,6 @@ impl<B: StreamTarget> State<B> {
             retained_bytes: retention.peak_bytes,
         };
         self.retention = retention;
-        self.drop_kept();
         self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
         let routes = &self.routes;
         let mut dropped = 0;
@@ -321,6 +320,7 @@ impl<B: StreamTarget> State<B> {
             keep
         });
         self.resident_bytes -= dropped;
+        self.drop_kept();
         tracing::debug!(
             weights = live.len(),
             resident_bytes = plan.resident_bytes,
@@ -330,6 +330,7 @@ impl<B: StreamTarget> State<B> {
             headroom = limits.activation_headroom,
             "offload plan"
         );
+        dropped
     }
 
     /// Slot size the current routes need.
@@ -434,8 +435,19 @@ impl<B: StreamTarget> Engine<B> {
             st.schedule.reset();
         }
         st.config = config;
-        st.replan();
+        let dropped = st.replan();
+        drop(st);
+        self.return_memory(dropped);
         Ok(())
+    }
+
+    /// After resident copies of `dropped` bytes were dropped: hands the allocator's free pages
+    /// back to the device, so that what a later step measures beside the weights does not
+    /// count the pages those copies left behind.
+    fn return_memory(&self, dropped: u64) {
+        if dropped > 0 {
+            B::memory_cleanup(&self.device);
+        }
     }
 
     /// Reads device memory from `probe` from now on, in place of the backend's report.
@@ -479,7 +491,9 @@ impl<B: StreamTarget> Engine<B> {
         for w in weights {
             st.weights.insert(w.id, Arc::downgrade(w));
         }
-        st.replan();
+        let dropped = st.replan();
+        drop(st);
+        self.return_memory(dropped);
     }
 
     /// The route of every live weight, by name, in registration order.
@@ -513,12 +527,14 @@ impl<B: StreamTarget> Engine<B> {
     pub fn end_step(&self) -> StepStats {
         let mut st = self.lock();
         let schedule = st.schedule.end_step();
-        if matches!(
+        let dropped = if matches!(
             schedule,
             ScheduleOutcome::Recorded { .. } | ScheduleOutcome::Diverged { .. }
         ) {
-            st.replan();
-        }
+            st.replan()
+        } else {
+            0
+        };
         st.cancel_prefetch();
         st.drop_kept();
         st.steps += 1;
@@ -565,6 +581,7 @@ impl<B: StreamTarget> Engine<B> {
             beyond_weights_mb = stats.peak_beyond_weights.map(|b| b / 1_000_000),
             "offload step"
         );
+        self.return_memory(dropped);
         stats
     }
 

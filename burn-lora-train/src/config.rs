@@ -383,7 +383,7 @@ mod defaults {
         "none".into()
     }
     pub fn ring_slots() -> usize {
-        2
+        4
     }
     pub fn steps() -> u64 {
         1000

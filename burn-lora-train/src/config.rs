@@ -227,6 +227,10 @@ pub struct TrainSectionYaml {
     /// `adamw` (f32 moments) or `adamw8bit` (block-wise 8-bit moments).
     #[serde(default = "defaults::optimizer")]
     pub optimizer: String,
+    /// `device` or `host`: where the optimizer state (moments, master copies) lives and is
+    /// updated.
+    #[serde(default = "defaults::optimizer_state")]
+    pub optimizer_state: String,
     /// AdamW weight decay (decoupled).
     #[serde(default = "defaults::weight_decay")]
     pub weight_decay: f64,
@@ -399,6 +403,9 @@ mod defaults {
     }
     pub fn optimizer() -> String {
         "adamw8bit".into()
+    }
+    pub fn optimizer_state() -> String {
+        "device".into()
     }
     pub fn weight_decay() -> f64 {
         1e-2
@@ -640,6 +647,15 @@ pub enum OptimizerKind {
     AdamW8bit,
 }
 
+/// Where the optimizer state lives and is updated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerState {
+    /// Beside the adapters, on their device.
+    Device,
+    /// In host memory, updated on the CPU; the device holds the adapters and their gradients.
+    Host,
+}
+
 /// Shape of the learning-rate curve after warm-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SchedulerKind {
@@ -698,6 +714,8 @@ pub struct TrainSettings {
     pub lr: f64,
     /// The optimizer.
     pub optimizer: OptimizerKind,
+    /// Where its state lives.
+    pub optimizer_state: OptimizerState,
     /// Decoupled weight decay.
     pub weight_decay: f64,
     /// Learning-rate curve after warm-up.
@@ -970,11 +988,13 @@ impl TrainPlan {
     }
 
     /// A fingerprint (16 hex digits) of every setting that shapes the training trajectory:
-    /// everything except `train.steps`, `save` and `logging`, which may change between a run
-    /// and its resumption.
+    /// everything except `train.steps`, `train.optimizer_state`, `save` and `logging`, which
+    /// may change between a run and its resumption.
     pub fn resume_fingerprint(&self) -> String {
         let mut shaping = self.source.clone();
         shaping.train.steps = 0;
+        // The saved state is the same wherever it lived.
+        shaping.train.optimizer_state = defaults::optimizer_state();
         shaping.save = defaults::section();
         shaping.logging = defaults::section();
         let json = serde_json::to_string(&shaping).expect("the configuration serializes to JSON");
@@ -1304,6 +1324,14 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
             ("adamw8bit", OptimizerKind::AdamW8bit),
         ],
     );
+    let optimizer_state = c.choose(
+        "train.optimizer_state",
+        &t.optimizer_state,
+        &[
+            ("device", OptimizerState::Device),
+            ("host", OptimizerState::Host),
+        ],
+    );
     let decay = c.require(
         t.weight_decay.is_finite() && t.weight_decay >= 0.0,
         t.weight_decay,
@@ -1368,6 +1396,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         gradient_accumulation_steps: accumulation?,
         lr: lr?,
         optimizer: optimizer?,
+        optimizer_state: optimizer_state?,
         weight_decay: decay?,
         lr_scheduler: scheduler?,
         lr_warmup_steps: warmup?,

@@ -37,15 +37,24 @@
 //! `tests/optim.rs` (powers 2 to 8 tried: 4 gave the smallest error). Tensors of fewer than
 //! [`MIN_8BIT_NUMEL`] values keep f32 moments (bitsandbytes' `min_8bit_size`). State memory:
 //! 2 bytes + 8 bytes per 256 values, against 8 bytes for f32 moments.
+//!
+//! # Where the state lives ([`StatePlacement`])
+//! [`OnDevice`] keeps the moments and master copies beside the parameters and updates them
+//! there. [`OnHost`] keeps them in host memory and runs the update on the CPU (Flex): each step
+//! moves the gradients to the host in their dtype and the updated parameters back in theirs,
+//! and the device holds only the parameters and their gradients. Both run the same tensor ops,
+//! so on the CPU they give the same values bit for bit.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::marker::PhantomData;
 
+use burn::backend::Flex;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
 use burn::tensor::{DType, ElementConversion, FloatDType, Int, IntDType, Tensor, TensorData};
 
-use crate::config::{OptimizerKind, SchedulerKind, TrainSettings};
+use crate::config::{OptimizerKind, OptimizerState, SchedulerKind, TrainSettings};
 
 /// The 8-bit code stores `levels · y^(1 / CODE_POWER)` for a value at ratio `y` of its block's
 /// absmax.
@@ -124,6 +133,61 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// `false` when the norm was not finite: parameters and state were left untouched.
     pub applied: bool,
+}
+
+/// Where the optimizer state of parameters on backend `B` lives and is updated.
+pub trait StatePlacement<B: Backend>: Clone + std::fmt::Debug + Send + 'static {
+    /// The backend holding the state.
+    type State: Backend;
+
+    /// The state's device for parameters on `device`.
+    fn state_device(device: &B::Device) -> <Self::State as BackendTypes>::Device;
+
+    /// `tensor` (a gradient, or a parameter's first value) on the state's device, in its dtype.
+    fn to_state(tensor: Tensor<B, 1>) -> Tensor<Self::State, 1>;
+
+    /// An updated parameter value back on `device`, in its dtype.
+    fn to_model(tensor: Tensor<Self::State, 1>, device: &B::Device) -> Tensor<B, 1>;
+}
+
+/// The state beside the parameters, updated on their device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OnDevice;
+
+impl<B: Backend> StatePlacement<B> for OnDevice {
+    type State = B;
+
+    fn state_device(device: &B::Device) -> B::Device {
+        device.clone()
+    }
+
+    fn to_state(tensor: Tensor<B, 1>) -> Tensor<B, 1> {
+        tensor
+    }
+
+    fn to_model(tensor: Tensor<B, 1>, _device: &B::Device) -> Tensor<B, 1> {
+        tensor
+    }
+}
+
+/// The state in host memory, updated on the CPU.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OnHost;
+
+impl<B: Backend> StatePlacement<B> for OnHost {
+    type State = Flex;
+
+    fn state_device(_device: &B::Device) -> <Flex as BackendTypes>::Device {
+        Default::default()
+    }
+
+    fn to_state(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
+        upload(tensor.into_data(), &Default::default())
+    }
+
+    fn to_model(tensor: Tensor<Flex, 1>, device: &B::Device) -> Tensor<B, 1> {
+        upload(tensor.into_data(), device)
+    }
 }
 
 /// One stored moment: f32 values, or 8-bit codes with a scale per block.
@@ -290,7 +354,8 @@ impl<B: Backend> Slot<B> {
     }
 }
 
-/// AdamW over the parameters of a module that receive gradients, keyed by module path.
+/// AdamW over the parameters of a module that receive gradients, keyed by module path, with
+/// its state where `P` puts it.
 ///
 /// ```
 /// use burn::backend::{Autodiff, Flex};
@@ -305,16 +370,17 @@ impl<B: Backend> Slot<B> {
 /// let model = LinearConfig::new(4, 2).init::<B>(&device);
 /// let loss = model.forward(Tensor::<B, 2>::ones([3, 4], &device)).sum();
 /// let grads = GradientsParams::from_grads(loss.backward(), &model);
-/// let mut optimizer = AdamW::new(AdamWConfig::new(OptimizerKind::AdamW, 0.01));
+/// let mut optimizer = AdamW::<Flex>::new(AdamWConfig::new(OptimizerKind::AdamW, 0.01));
 /// let (model, report) = optimizer.step(model, grads, 1e-3);
 /// assert!(report.applied);
 /// ```
 #[derive(Clone, Debug)]
-pub struct AdamW<B: Backend> {
+pub struct AdamW<B: Backend, P: StatePlacement<B> = OnDevice> {
     config: AdamWConfig,
     /// Optimizer steps taken (`t` of the bias correction).
     steps: u64,
-    slots: BTreeMap<String, Slot<B>>,
+    slots: BTreeMap<String, Slot<P::State>>,
+    placement: PhantomData<P>,
 }
 
 /// Module paths, maintained through `enter_module` / `exit_module`.
@@ -354,15 +420,17 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for SquaredNorm<'_, AB::InnerBackend
 }
 
 /// Applies one AdamW step to every float parameter that has a gradient.
-struct Update<'a, B: Backend> {
-    optimizer: &'a mut AdamW<B>,
+struct Update<'a, B: Backend, P: StatePlacement<B>> {
+    optimizer: &'a mut AdamW<B, P>,
     grads: GradientsParams,
     path: PathStack,
     lr: f64,
     grad_scale: f64,
 }
 
-impl<AB: AutodiffBackend> ModuleMapper<AB> for Update<'_, AB::InnerBackend> {
+impl<AB: AutodiffBackend, P: StatePlacement<AB::InnerBackend>> ModuleMapper<AB>
+    for Update<'_, AB::InnerBackend, P>
+{
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.enter(name);
     }
@@ -471,13 +539,14 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for SetValues<AB::InnerBackend> {
     }
 }
 
-impl<B: Backend> AdamW<B> {
+impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     /// An optimizer with no state yet (moments are created at the first gradient).
     pub fn new(config: AdamWConfig) -> Self {
         Self {
             config,
             steps: 0,
             slots: BTreeMap::new(),
+            placement: PhantomData,
         }
     }
 
@@ -568,7 +637,8 @@ impl<B: Backend> AdamW<B> {
         let shape = param.shape();
         let dtype = param.dtype();
         let numel = shape.num_elements();
-        let device = param.device();
+        let model_device = param.device();
+        let device = P::state_device(&model_device);
         let quantized = c.kind == OptimizerKind::AdamW8bit && numel >= MIN_8BIT_NUMEL;
         let slot = self.slots.entry(path).or_insert_with(|| {
             let len = if quantized {
@@ -590,9 +660,9 @@ impl<B: Backend> AdamW<B> {
         let len = slot.len();
         let weights = match slot.master.take() {
             Some(master) => master,
-            None => param.reshape([numel]).cast(FloatDType::F32),
+            None => P::to_state(param.reshape([numel])).cast(FloatDType::F32),
         };
-        let mut g = grad.reshape([numel]).cast(FloatDType::F32);
+        let mut g = P::to_state(grad.reshape([numel])).cast(FloatDType::F32);
         if grad_scale != 1.0 {
             g = g.mul_scalar(grad_scale);
         }
@@ -634,7 +704,7 @@ impl<B: Backend> AdamW<B> {
             slot.master = Some(weights.clone());
             weights.cast(dtype)
         };
-        out.reshape(shape)
+        P::to_model(out, &model_device).reshape(shape)
     }
 
     /// The state as named tensors, for a checkpoint: `<path>.m`, `<path>.v` (f32 moments) or
@@ -694,7 +764,8 @@ impl<B: Backend> AdamW<B> {
                 .get(&path)
                 .ok_or_else(|| state_error(&path, "no such parameter in the model"))?;
             let numel = param.dims()[0];
-            let device = param.device();
+            let model_device = param.device();
+            let device = P::state_device(&model_device);
             let quantized = self.config.kind == OptimizerKind::AdamW8bit && numel >= MIN_8BIT_NUMEL;
             let len = if quantized {
                 numel.div_ceil(BLOCK) * BLOCK
@@ -718,7 +789,7 @@ impl<B: Backend> AdamW<B> {
                     }
                     Ok(data)
                 };
-            let mut moment = |which: Which| -> Result<Moment<B>, OptimError> {
+            let mut moment = |which: Which| -> Result<Moment<P::State>, OptimError> {
                 let name = which.name();
                 Ok(if quantized {
                     let code = DType::from(which.code_dtype());
@@ -735,14 +806,14 @@ impl<B: Backend> AdamW<B> {
             };
             let m = moment(Which::First)?;
             let v = moment(Which::Second)?;
-            let master: Tensor<B, 1> = upload(take("master", numel, DType::F32)?, &device);
+            let master: Tensor<P::State, 1> = upload(take("master", numel, DType::F32)?, &device);
             let slot = Slot {
                 numel,
                 m,
                 v,
                 master: (*dtype != DType::F32).then(|| master.clone()),
             };
-            values.insert(path.clone(), master);
+            values.insert(path.clone(), P::to_model(master, &model_device));
             slots.insert(path, slot);
         }
         if let Some(key) = tensors.keys().next() {
@@ -757,6 +828,74 @@ impl<B: Backend> AdamW<B> {
             path: PathStack::default(),
             values,
         }))
+    }
+}
+
+/// An [`AdamW`] whose state is on the device or in host memory, as chosen at run time.
+#[derive(Clone, Debug)]
+pub enum PlacedAdamW<B: Backend> {
+    /// The state beside the parameters.
+    Device(AdamW<B, OnDevice>),
+    /// The state in host memory, updated on the CPU.
+    Host(AdamW<B, OnHost>),
+}
+
+impl<B: Backend> PlacedAdamW<B> {
+    /// An optimizer with no state yet, its state where `placement` says.
+    pub fn new(config: AdamWConfig, placement: OptimizerState) -> Self {
+        match placement {
+            OptimizerState::Device => Self::Device(AdamW::new(config)),
+            OptimizerState::Host => Self::Host(AdamW::new(config)),
+        }
+    }
+
+    /// [`AdamW::step`].
+    pub fn step<AB, M>(&mut self, module: M, grads: GradientsParams, lr: f64) -> (M, StepReport)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        match self {
+            Self::Device(o) => o.step(module, grads, lr),
+            Self::Host(o) => o.step(module, grads, lr),
+        }
+    }
+
+    /// [`AdamW::steps`].
+    pub fn steps(&self) -> u64 {
+        match self {
+            Self::Device(o) => o.steps(),
+            Self::Host(o) => o.steps(),
+        }
+    }
+
+    /// [`AdamW::to_tensors`].
+    pub fn to_tensors<AB, M>(&self, module: &M) -> Vec<(String, TensorData)>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        match self {
+            Self::Device(o) => o.to_tensors(module),
+            Self::Host(o) => o.to_tensors(module),
+        }
+    }
+
+    /// [`AdamW::restore`].
+    pub fn restore<AB, M>(
+        &mut self,
+        module: M,
+        steps: u64,
+        tensors: Vec<(String, TensorData)>,
+    ) -> Result<M, OptimError>
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        match self {
+            Self::Device(o) => o.restore(module, steps, tensors),
+            Self::Host(o) => o.restore(module, steps, tensors),
+        }
     }
 }
 

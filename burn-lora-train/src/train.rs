@@ -45,7 +45,7 @@ pub use crate::error::TrainError;
 use crate::error::gb;
 use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, TrainBackend};
 use crate::models;
-use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{AdamWConfig, LrSchedule, PlacedAdamW};
 use crate::report::{LossLog, LossRow, Progress, StopFlag, plot_loss};
 use crate::rng::Rng;
 
@@ -178,7 +178,10 @@ where
     );
 
     let schedule = LrSchedule::from_settings(&plan.train);
-    let mut optimizer = AdamW::<Offload<B>>::new(AdamWConfig::from_settings(&plan.train));
+    let mut optimizer = PlacedAdamW::<Offload<B>>::new(
+        AdamWConfig::from_settings(&plan.train),
+        plan.train.optimizer_state,
+    );
     let mut rng = Rng::seeded(plan.train.seed);
     let mut position = DataPosition::default();
     let mut step = 0;

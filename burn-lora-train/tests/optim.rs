@@ -11,7 +11,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_lora_train::config::{OptimizerKind, SchedulerKind};
-use burn_lora_train::optim::{AdamW, AdamWConfig, LrSchedule};
+use burn_lora_train::optim::{AdamW, AdamWConfig, LrSchedule, OnDevice, OnHost, StatePlacement};
 use burn_lora_train::rng::Rng;
 
 type AD = Autodiff<Flex>;
@@ -122,20 +122,30 @@ impl Reference {
     }
 }
 
-struct Outcome {
+struct Outcome<P: StatePlacement<Flex> = OnDevice> {
     /// Largest |p - p_ref| over all values.
     max_error: f64,
     /// ‖p_ref - p_start‖: how far the reference moved.
     movement: f64,
     /// ‖p - p_ref‖ / ‖p_ref - p_start‖.
     relative_error: f64,
-    optimizer: AdamW<Flex>,
+    optimizer: AdamW<Flex, P>,
     model: Regression<AD>,
 }
 
 /// Trains with `kind` (and `beta2` for the optimizer under test) and the reference (always
 /// β₂ = 0.999) on the same gradients.
 fn run(kind: OptimizerKind, dtype: DType, steps: u64, beta2: f64) -> Outcome {
+    run_on::<OnDevice>(kind, dtype, steps, beta2)
+}
+
+/// [`run`] with the optimizer state where `P` puts it.
+fn run_on<P: StatePlacement<Flex>>(
+    kind: OptimizerKind,
+    dtype: DType,
+    steps: u64,
+    beta2: f64,
+) -> Outcome<P> {
     let p = problem();
     let mut config = AdamWConfig::new(kind, 0.1);
     config.max_grad_norm = Some(24.5);
@@ -148,7 +158,7 @@ fn run(kind: OptimizerKind, dtype: DType, steps: u64, beta2: f64) -> Outcome {
     let mut model = model(&p, dtype);
     let start = vec![values(model.weight.val()), values(model.bias.val())];
     let mut reference = Reference::new(start.clone(), config);
-    let mut optimizer = AdamW::new(AdamWConfig { beta2, ..config });
+    let mut optimizer = AdamW::<Flex, P>::new(AdamWConfig { beta2, ..config });
     let mut clipped = 0;
     for step in 0..steps {
         let prediction = p.x.clone().matmul(model.weight.val().cast(DType::F32))
@@ -296,6 +306,53 @@ fn a_restored_state_continues_bit_for_bit() {
     }
 }
 
+/// Bit patterns of a model's parameters and of an optimizer's saved state.
+fn fingerprint<P: StatePlacement<Flex>>(out: &Outcome<P>) -> Vec<(String, Vec<u8>)> {
+    let mut all = vec![
+        (
+            "weight".to_string(),
+            out.model.weight.val().into_data().as_bytes().to_vec(),
+        ),
+        (
+            "bias".to_string(),
+            out.model.bias.val().into_data().as_bytes().to_vec(),
+        ),
+    ];
+    for (key, data) in out.optimizer.to_tensors(&out.model) {
+        all.push((key, data.as_bytes().to_vec()));
+    }
+    all
+}
+
+#[test]
+fn a_state_in_host_memory_trains_and_resumes_bit_for_bit_as_on_the_device() {
+    // bf16 parameters: the master copies live with the state; clipping is exercised by `run`.
+    for kind in [OptimizerKind::AdamW, OptimizerKind::AdamW8bit] {
+        let device = run_on::<OnDevice>(kind, DType::BF16, 8, 0.999);
+        let host = run_on::<OnHost>(kind, DType::BF16, 8, 0.999);
+        assert_eq!(fingerprint(&device), fingerprint(&host), "{kind:?}");
+        // A state saved from the host restores on the device, and the reverse.
+        let saved = host.optimizer.to_tensors(&host.model);
+        let mut on_device = AdamW::<Flex, OnDevice>::new(*host.optimizer.config());
+        let restored = on_device
+            .restore(model(&problem(), DType::BF16), 8, saved)
+            .unwrap();
+        let saved = on_device.to_tensors(&restored);
+        let mut on_host = AdamW::<Flex, OnHost>::new(*host.optimizer.config());
+        let restored = on_host
+            .restore(model(&problem(), DType::BF16), 8, saved.clone())
+            .unwrap();
+        assert_eq!(
+            values(restored.weight.val()),
+            values(host.model.weight.val())
+        );
+        let again = on_host.to_tensors(&restored);
+        for ((k1, a), (k2, b)) in saved.iter().zip(&again) {
+            assert_eq!((k1, a.as_bytes()), (k2, b.as_bytes()));
+        }
+    }
+}
+
 #[test]
 fn state_memory_of_f32_and_8bit_moments() {
     // A LoRA-shaped parameter set: 16 matrices of rank 16 x 4096 (1 048 576 values).
@@ -319,7 +376,7 @@ fn state_memory_of_f32_and_8bit_moments() {
             .reduce(|a, b| a + b)
             .unwrap();
         let grads = GradientsParams::from_grads(loss.backward(), &lora);
-        let mut optimizer = AdamW::new(AdamWConfig::new(kind, 0.0));
+        let mut optimizer = AdamW::<Flex>::new(AdamWConfig::new(kind, 0.0));
         let (lora, _) = optimizer.step(lora, grads, 1e-3);
         let bytes = optimizer.state_bytes();
         let on_disk: usize = optimizer

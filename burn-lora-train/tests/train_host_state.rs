@@ -18,8 +18,16 @@ fn placed(output: &std::path::Path, steps: u64, state: OptimizerState) -> TrainP
 #[test]
 fn a_state_in_host_memory_trains_and_resumes_as_on_the_device() {
     let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let device = run(&placed(dirs[0].path(), 6, OptimizerState::Device), Resume::Auto).unwrap();
-    let host = run(&placed(dirs[1].path(), 6, OptimizerState::Host), Resume::Auto).unwrap();
+    let device = run(
+        &placed(dirs[0].path(), 6, OptimizerState::Device),
+        Resume::Auto,
+    )
+    .unwrap();
+    let host = run(
+        &placed(dirs[1].path(), 6, OptimizerState::Host),
+        Resume::Auto,
+    )
+    .unwrap();
     assert_eq!(host.losses, device.losses);
     let (device, host) = (device.lora.unwrap(), host.lora.unwrap());
     assert_eq!(weights(&host), weights(&device));

@@ -398,14 +398,7 @@ pub fn plan_step(
     window: usize,
     limits: &PlanLimits,
 ) -> (Plan, Retention) {
-    let streamed = plan(
-        weights,
-        &PlanLimits {
-            vram_budget: 0,
-            activation_headroom: 0,
-            ..*limits
-        },
-    );
+    let streamed = streaming_everything(weights, limits);
     let limit = match limits.vram_budget {
         0 => u64::MAX,
         budget => budget
@@ -445,6 +438,19 @@ fn bytes_moved(
         .filter(|&(i, w)| plan.routes[w] != Route::Resident && !retention.is_kept(i))
         .map(|(_, w)| weights[w].wire_bytes)
         .sum()
+}
+
+/// The plan that streams every weight (budget 0): the least device memory any plan takes for
+/// the weights.
+fn streaming_everything(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
+    plan(
+        weights,
+        &PlanLimits {
+            vram_budget: 0,
+            activation_headroom: 0,
+            ..*limits
+        },
+    )
 }
 
 /// Device memory beyond the weights (resident copies and ring), as measured over a run's first
@@ -499,14 +505,7 @@ pub fn shortfall(weights: &[WeightProfile], limits: &PlanLimits) -> Option<Short
     if limits.activation_headroom == 0 {
         return None;
     }
-    let streamed = plan(
-        weights,
-        &PlanLimits {
-            vram_budget: 0,
-            activation_headroom: 0,
-            ..*limits
-        },
-    );
+    let streamed = streaming_everything(weights, limits);
     let short = Shortfall {
         budget: limits.vram_budget,
         headroom: limits.activation_headroom,

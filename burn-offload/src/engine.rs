@@ -133,6 +133,25 @@ impl<B: StreamTarget> State<B> {
         }
     }
 
+    /// Keeps `tensor`, the copy of weight `id` (`bytes` on the device), until its next use.
+    fn keep_copy(&mut self, id: u64, tensor: FloatTensor<B>, bytes: u64) {
+        if let Some((_, previous)) = self.kept.insert(id, (tensor, bytes)) {
+            self.kept_bytes -= previous;
+        }
+        self.kept_bytes += bytes;
+    }
+
+    /// For replay use `index` of weight `id`: the copy kept since the weight's previous use, if
+    /// any, still kept after this use where the retention says so.
+    fn take_kept(&mut self, id: u64, index: usize) -> Option<FloatTensor<B>> {
+        if self.retention.keeps(index) {
+            return self.kept.get(&id).map(|(t, _)| t.clone());
+        }
+        let (tensor, bytes) = self.kept.remove(&id)?;
+        self.kept_bytes -= bytes;
+        Some(tensor)
+    }
+
     /// Drops the copies kept between uses.
     fn drop_kept(&mut self) {
         self.kept.clear();
@@ -683,15 +702,10 @@ impl<B: StreamTarget> Engine<B> {
                     _ => None,
                 };
                 if let Some(index) = replayed.filter(|&i| st.retention.is_kept(i))
-                    && let Some((tensor, bytes)) = st.kept.remove(&weight.id)
+                    && let Some(tensor) = st.take_kept(weight.id, index)
                 {
-                    st.kept_bytes -= bytes;
                     st.consumed = index + 1;
                     st.counters.kept += 1;
-                    if st.retention.keeps(index) {
-                        st.kept_bytes += bytes;
-                        st.kept.insert(weight.id, (tensor.clone(), bytes));
-                    }
                     st.sample_memory(&self.device, 0);
                     drop(st);
                     self.shared.changed.notify_all();
@@ -719,10 +733,8 @@ impl<B: StreamTarget> Engine<B> {
                 let tensor = B::keep(view, weight, &self.device)
                     .unwrap_or_else(|e| panic!("keeping `{}`: {e}", weight.name));
                 drop(lease);
-                let bytes = weight.device_bytes() as u64;
                 let mut st = self.lock();
-                st.kept_bytes += bytes;
-                st.kept.insert(weight.id, (tensor.clone(), bytes));
+                st.keep_copy(weight.id, tensor.clone(), weight.device_bytes() as u64);
                 st.sample_memory(&self.device, 0);
                 drop(st);
                 op(tensor)

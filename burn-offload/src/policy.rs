@@ -7,6 +7,8 @@
 //! the answers with its ring, loader thread and fences. Nothing here imports Burn or touches a
 //! device.
 
+use std::collections::HashMap;
+
 /// A weight, as the policy knows it: an opaque key.
 pub type WeightKey = u64;
 
@@ -349,7 +351,7 @@ pub fn retention(
 ) -> Retention {
     let n = order.len();
     let mut next = vec![None; n];
-    let mut seen: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    let mut seen: HashMap<usize, usize> = HashMap::new();
     for (i, w) in order.iter().enumerate().rev() {
         if let Some(w) = *w {
             next[i] = seen.insert(w, i);

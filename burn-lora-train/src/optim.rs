@@ -333,29 +333,133 @@ fn tensor_bytes(len: usize, dtype: DType) -> usize {
     len * dtype.size()
 }
 
-/// The state of one parameter.
-#[derive(Clone, Debug)]
-struct Slot<B: Backend> {
+/// Values updated by one pass of the update's tensor ops, at most: parameters are gathered into
+/// flat chunks of up to this many values (a parameter larger than that is a chunk of its own),
+/// so that a step launches a few dozen kernels per chunk instead of per parameter, and the
+/// chunk's f32 temporaries stay within 64 MiB each.
+pub const CHUNK: usize = 1 << 24;
+
+/// One parameter's place in its chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Member {
+    /// The module path, the key of its saved state.
+    path: String,
     /// Values in the parameter.
     numel: usize,
-    m: Moment<B>,
-    v: Moment<B>,
-    /// f32 copy of a parameter stored in a lower-precision dtype.
-    master: Option<Tensor<B, 1>>,
+    /// Where its values start in the chunk.
+    offset: usize,
 }
 
-impl<B: Backend> Slot<B> {
-    /// Length of the stored moments: `numel`, padded to whole blocks when quantized.
-    fn len(&self) -> usize {
-        match &self.m {
-            Moment::F32(_) => self.numel,
-            Moment::Q8 { .. } => self.numel.div_ceil(BLOCK) * BLOCK,
+/// A parameter the optimizer sees, in the module's visiting order.
+struct Entry<B: Backend> {
+    path: String,
+    dtype: DType,
+    /// The parameter's values, flattened.
+    value: Tensor<B, 1>,
+    /// Its gradient, flattened, when it has one.
+    grad: Option<Tensor<B, 1>>,
+}
+
+/// Consecutive parameters of one dtype and moment format, updated together as one flat
+/// tensor. Every flat tensor of the chunk (moments, master, gradient) has `len` values: the
+/// members one after another, each padded to a whole [`BLOCK`] when the moments are 8-bit (so
+/// that no block straddles two parameters), the padding 0.
+#[derive(Clone, Debug)]
+struct Chunk<B: Backend> {
+    /// The parameters' dtype.
+    dtype: DType,
+    /// Whether the moments are 8-bit.
+    quantized: bool,
+    members: Vec<Member>,
+    len: usize,
+    m: Moment<B>,
+    v: Moment<B>,
+    /// The f32 values of the members: for 16-bit parameters the master copy they are rounded
+    /// from, for f32 parameters the very values they hold.
+    master: Tensor<B, 1>,
+}
+
+/// The layout of chunks over `entries` (path, dtype, values) in order: consecutive parameters
+/// of one dtype and moment format, up to `chunk_values` values each. Returns per chunk its dtype,
+/// moment format, members and length.
+fn plan_chunks(
+    entries: &[(String, DType, usize)],
+    kind: OptimizerKind,
+    chunk_values: usize,
+) -> Vec<(DType, bool, Vec<Member>, usize)> {
+    let mut chunks: Vec<(DType, bool, Vec<Member>, usize)> = Vec::new();
+    for (path, dtype, numel) in entries {
+        let quantized = kind == OptimizerKind::AdamW8bit && *numel >= MIN_8BIT_NUMEL;
+        let padded = if quantized {
+            numel.div_ceil(BLOCK) * BLOCK
+        } else {
+            *numel
+        };
+        let fits = chunks.last().is_some_and(|(d, q, _, len)| {
+            d == dtype && *q == quantized && len + padded <= chunk_values
+        });
+        if !fits {
+            chunks.push((*dtype, quantized, Vec::new(), 0));
+        }
+        let (_, _, members, len) = chunks.last_mut().expect("a chunk was just pushed");
+        members.push(Member {
+            path: path.clone(),
+            numel: *numel,
+            offset: *len,
+        });
+        *len += padded;
+    }
+    chunks
+}
+
+/// The members' tensors (flattened, in `dtype`) laid out as the chunk's flat tensor on
+/// `device`; members without one are zeros. `None` when no member has one.
+fn gather<B: Backend>(
+    members: &[Member],
+    len: usize,
+    dtype: DType,
+    mut tensor: impl FnMut(&Member) -> Option<Tensor<B, 1>>,
+) -> Option<Tensor<B, 1>> {
+    let mut flat: Option<Tensor<B, 1>> = None;
+    for member in members {
+        let Some(values) = tensor(member) else {
+            continue;
+        };
+        let base = flat.unwrap_or_else(|| Tensor::zeros([len], (&values.device(), dtype)));
+        flat = Some(base.slice_assign([member.offset..member.offset + member.numel], values));
+    }
+    flat
+}
+
+/// The member's values of the chunk's flat tensor.
+fn member_values<B: Backend>(flat: &Tensor<B, 1>, member: &Member) -> Tensor<B, 1> {
+    flat.clone().narrow(0, member.offset, member.numel)
+}
+
+impl<B: Backend> Moment<B> {
+    /// The values of one member (for 8-bit moments, its whole blocks).
+    fn member(&self, member: &Member) -> Self {
+        match self {
+            Self::F32(values) => Self::F32(member_values(values, member)),
+            Self::Q8 { codes, absmax } => {
+                let blocks = member.numel.div_ceil(BLOCK);
+                Self::Q8 {
+                    codes: codes.clone().narrow(0, member.offset, blocks * BLOCK),
+                    absmax: absmax.clone().narrow(0, member.offset / BLOCK, blocks),
+                }
+            }
         }
     }
 }
 
 /// AdamW over the parameters of a module that receive gradients, keyed by module path, with
 /// its state where `P` puts it.
+///
+/// The parameters are updated in flat chunks of up to [`CHUNK`] values (the "multi-tensor"
+/// AdamW of PyTorch's `foreach` path), so the number of kernels a step launches grows with the
+/// chunks, not with the parameters. The arithmetic is per value, so the chunks do not change
+/// it. A parameter without a gradient in a step is left as it is when no parameter of its
+/// chunk has one, and otherwise takes a step with a zero gradient (its moments decay).
 ///
 /// ```
 /// use burn::backend::{Autodiff, Flex};
@@ -379,7 +483,10 @@ pub struct AdamW<B: Backend, P: StatePlacement<B> = OnDevice> {
     config: AdamWConfig,
     /// Optimizer steps taken (`t` of the bias correction).
     steps: u64,
-    slots: BTreeMap<String, Slot<P::State>>,
+    /// The state, chunk by chunk, in the order the parameters were first seen.
+    chunks: Vec<Chunk<P::State>>,
+    /// Values per chunk at most ([`CHUNK`]).
+    chunk_values: usize,
     placement: PhantomData<P>,
 }
 
@@ -401,93 +508,16 @@ impl PathStack {
     }
 }
 
-/// Sums the squares of every gradient of the module's float parameters.
-struct SquaredNorm<'a, B: Backend> {
-    grads: &'a GradientsParams,
-    sum: Option<Tensor<B, 1>>,
-}
-
-impl<AB: AutodiffBackend> ModuleVisitor<AB> for SquaredNorm<'_, AB::InnerBackend> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-        if let Some(grad) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-            let squares = grad.cast(FloatDType::F32).square().sum();
-            self.sum = Some(match self.sum.take() {
-                Some(sum) => sum + squares,
-                None => squares,
-            });
-        }
-    }
-}
-
-/// Applies one AdamW step to every float parameter that has a gradient.
-struct Update<'a, B: Backend, P: StatePlacement<B>> {
-    optimizer: &'a mut AdamW<B, P>,
-    grads: GradientsParams,
+/// The float parameters of a module in visiting order: those with a gradient in `grads`
+/// (which are taken out of it), or those at the `wanted` paths.
+struct Entries<'a, B: Backend> {
     path: PathStack,
-    lr: f64,
-    grad_scale: f64,
+    grads: Option<&'a mut GradientsParams>,
+    wanted: Option<&'a BTreeSet<String>>,
+    entries: Vec<Entry<B>>,
 }
 
-impl<AB: AutodiffBackend, P: StatePlacement<AB::InnerBackend>> ModuleMapper<AB>
-    for Update<'_, AB::InnerBackend, P>
-{
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.enter(name);
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.exit();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let require_grad = tensor.is_require_grad();
-        let updated = self.optimizer.update_param(
-            self.path.current(),
-            tensor.inner(),
-            grad,
-            self.lr,
-            self.grad_scale,
-        );
-        let mut tensor = Tensor::from_inner(updated);
-        if require_grad {
-            tensor = tensor.require_grad();
-        }
-        Param::from_mapped_value(id, tensor, mapper)
-    }
-}
-
-/// The f32 values and dtype of the float parameters at the `wanted` paths, by path. Other
-/// parameters (the frozen base, possibly streamed from host memory) are not touched.
-struct ParamValues<B: Backend> {
-    path: PathStack,
-    wanted: BTreeSet<String>,
-    values: BTreeMap<String, (Tensor<B, 1>, DType)>,
-}
-
-impl<B: Backend> ParamValues<B> {
-    fn collect<AB, M>(
-        module: &M,
-        wanted: BTreeSet<String>,
-    ) -> BTreeMap<String, (Tensor<B, 1>, DType)>
-    where
-        AB: AutodiffBackend<InnerBackend = B>,
-        M: AutodiffModule<AB>,
-    {
-        let mut visitor = Self {
-            path: PathStack::default(),
-            wanted,
-            values: BTreeMap::new(),
-        };
-        module.visit(&mut visitor);
-        visitor.values
-    }
-}
-
-impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamValues<AB::InnerBackend> {
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for Entries<'_, AB::InnerBackend> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.enter(name);
     }
@@ -498,18 +528,33 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamValues<AB::InnerBackend> {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         let path = self.path.current();
-        if !self.wanted.contains(&path) {
+        let grad = match &mut self.grads {
+            Some(grads) => match grads.remove::<AB::InnerBackend, D>(param.id) {
+                Some(grad) => Some(flat(grad)),
+                None => return,
+            },
+            None => None,
+        };
+        if self.wanted.is_some_and(|wanted| !wanted.contains(&path)) {
             return;
         }
-        let tensor = param.val().inner();
-        let dtype = tensor.dtype();
-        let numel = tensor.shape().num_elements();
-        self.values
-            .insert(path, (tensor.reshape([numel]).cast(FloatDType::F32), dtype));
+        let value = param.val().inner();
+        self.entries.push(Entry {
+            path,
+            dtype: value.dtype(),
+            value: flat(value),
+            grad,
+        });
     }
 }
 
-/// Sets parameters to saved f32 values (rounded to each parameter's dtype), by path.
+/// `tensor`'s values as a vector.
+fn flat<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, 1> {
+    let numel = tensor.shape().num_elements();
+    tensor.reshape([numel])
+}
+
+/// Sets parameters to new flat values (cast to each parameter's dtype), by path.
 struct SetValues<B: Backend> {
     path: PathStack,
     values: BTreeMap<String, Tensor<B, 1>>,
@@ -539,13 +584,26 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for SetValues<AB::InnerBackend> {
     }
 }
 
+/// Concatenates saved tensors of one dtype into one flat tensor's data, with `len` values
+/// (zeros after the last part's end and wherever `parts` leave a gap).
+fn concat(parts: Vec<(usize, TensorData)>, len: usize, dtype: DType) -> TensorData {
+    let size = dtype.size();
+    let mut bytes = vec![0u8; len * size];
+    for (offset, data) in parts {
+        let part = data.as_bytes();
+        bytes[offset * size..offset * size + part.len()].copy_from_slice(part);
+    }
+    TensorData::from_bytes_vec(bytes, [len], dtype)
+}
+
 impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     /// An optimizer with no state yet (moments are created at the first gradient).
     pub fn new(config: AdamWConfig) -> Self {
         Self {
             config,
             steps: 0,
-            slots: BTreeMap::new(),
+            chunks: Vec::new(),
+            chunk_values: CHUNK,
             placement: PhantomData,
         }
     }
@@ -560,18 +618,61 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         self.steps
     }
 
-    /// Bytes held by the state: moments, block scales and master copies.
+    /// Bytes held by the state: moments, block scales and the master copies of 16-bit
+    /// parameters (an f32 parameter's values are its own).
     pub fn state_bytes(&self) -> usize {
-        self.slots
-            .values()
-            .map(|s| {
-                s.m.bytes()
-                    + s.v.bytes()
-                    + s.master
-                        .as_ref()
-                        .map_or(0, |t| tensor_bytes(t.dims()[0], t.dtype()))
+        self.chunks
+            .iter()
+            .map(|c| {
+                let master = if c.dtype == DType::F32 {
+                    0
+                } else {
+                    tensor_bytes(c.len, DType::F32)
+                };
+                c.m.bytes() + c.v.bytes() + master
             })
             .sum()
+    }
+
+    /// Chunks for the parameters of `entries` that have no state yet: zero moments, master
+    /// copies from their values.
+    fn add_chunks(&mut self, entries: &[Entry<B>]) {
+        let known: BTreeSet<&str> = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.members.iter().map(|m| m.path.as_str()))
+            .collect();
+        let new: Vec<&Entry<B>> = entries
+            .iter()
+            .filter(|e| !known.contains(e.path.as_str()))
+            .collect();
+        let Some(first) = new.first() else {
+            return;
+        };
+        let device = P::state_device(&first.value.device());
+        let layout: Vec<(String, DType, usize)> = new
+            .iter()
+            .map(|e| (e.path.clone(), e.dtype, e.value.shape().num_elements()))
+            .collect();
+        let values: BTreeMap<&str, &Tensor<B, 1>> =
+            new.iter().map(|e| (e.path.as_str(), &e.value)).collect();
+        for (dtype, quantized, members, len) in
+            plan_chunks(&layout, self.config.kind, self.chunk_values)
+        {
+            let flat = gather(&members, len, dtype, |m| {
+                Some(values[m.path.as_str()].clone())
+            })
+            .expect("every new member has values");
+            self.chunks.push(Chunk {
+                dtype,
+                quantized,
+                len,
+                m: Moment::zeros(len, quantized, Which::First, &device),
+                v: Moment::zeros(len, quantized, Which::Second, &device),
+                master: P::to_state(flat).cast(FloatDType::F32),
+                members,
+            });
+        }
     }
 
     /// One step on every parameter of `module` that has a gradient in `grads`, at learning rate
@@ -579,19 +680,51 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     ///
     /// The global norm is read back to the host (one sync); when it is not finite the module
     /// and the state are returned unchanged and [`StepReport::applied`] is `false`.
-    pub fn step<AB, M>(&mut self, module: M, grads: GradientsParams, lr: f64) -> (M, StepReport)
+    pub fn step<AB, M>(&mut self, module: M, mut grads: GradientsParams, lr: f64) -> (M, StepReport)
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let mut norm = SquaredNorm::<B> {
-            grads: &grads,
-            sum: None,
+        let mut visitor = Entries::<B> {
+            path: PathStack::default(),
+            grads: Some(&mut grads),
+            wanted: None,
+            entries: Vec::new(),
         };
-        module.visit(&mut norm);
-        let grad_norm = norm
-            .sum
-            .map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
+        module.visit(&mut visitor);
+        let entries = visitor.entries;
+        let Some(model_device) = entries.first().map(|e| e.value.device()) else {
+            return (
+                module,
+                StepReport {
+                    grad_norm: 0.0,
+                    applied: true,
+                },
+            );
+        };
+        self.add_chunks(&entries);
+        let mut grads: BTreeMap<String, Tensor<B, 1>> = entries
+            .into_iter()
+            .filter_map(|e| e.grad.map(|g| (e.path, g)))
+            .collect();
+        // The gradients chunk by chunk, f32 on the state's device, and their squared norm.
+        let mut flat_grads = Vec::with_capacity(self.chunks.len());
+        let mut squares: Option<Tensor<P::State, 1>> = None;
+        for chunk in &self.chunks {
+            let flat = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
+                grads.remove(&m.path)
+            })
+            .map(|g| P::to_state(g).cast(FloatDType::F32));
+            if let Some(g) = &flat {
+                let sum = g.clone().square().sum();
+                squares = Some(match squares.take() {
+                    Some(total) => total + sum,
+                    None => sum,
+                });
+            }
+            flat_grads.push(flat);
+        }
+        let grad_norm = squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
         if !grad_norm.is_finite() {
             return (
                 module,
@@ -607,14 +740,22 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             None => 1.0,
         };
         self.steps += 1;
-        let mut update = Update {
-            optimizer: self,
-            grads,
+        let mut values = BTreeMap::new();
+        let (config, steps) = (self.config, self.steps);
+        for (chunk, g) in self.chunks.iter_mut().zip(flat_grads) {
+            let Some(g) = g else {
+                continue;
+            };
+            let out = chunk.update(&config, steps, g, lr, grad_scale);
+            let out = P::to_model(out, &model_device);
+            for member in &chunk.members {
+                values.insert(member.path.clone(), member_values(&out, member));
+            }
+        }
+        let module = module.map(&mut SetValues::<B> {
             path: PathStack::default(),
-            lr,
-            grad_scale,
-        };
-        let module = module.map(&mut update);
+            values,
+        });
         (
             module,
             StepReport {
@@ -624,116 +765,29 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         )
     }
 
-    /// The AdamW update of one parameter; creates its state at the first call.
-    fn update_param<const D: usize>(
-        &mut self,
-        path: String,
-        param: Tensor<B, D>,
-        grad: Tensor<B, D>,
-        lr: f64,
-        grad_scale: f64,
-    ) -> Tensor<B, D> {
-        let c = self.config;
-        let shape = param.shape();
-        let dtype = param.dtype();
-        let numel = shape.num_elements();
-        let model_device = param.device();
-        let device = P::state_device(&model_device);
-        let quantized = c.kind == OptimizerKind::AdamW8bit && numel >= MIN_8BIT_NUMEL;
-        let slot = self.slots.entry(path).or_insert_with(|| {
-            let len = if quantized {
-                numel.div_ceil(BLOCK) * BLOCK
-            } else {
-                numel
-            };
-            Slot {
-                numel,
-                m: Moment::zeros(len, quantized, Which::First, &device),
-                v: Moment::zeros(len, quantized, Which::Second, &device),
-                master: None,
-            }
-        });
-        assert_eq!(
-            slot.numel, numel,
-            "a parameter changed size between optimizer steps"
-        );
-        let len = slot.len();
-        let weights = match slot.master.take() {
-            Some(master) => master,
-            None => P::to_state(param.reshape([numel])).cast(FloatDType::F32),
-        };
-        let mut g = P::to_state(grad.reshape([numel])).cast(FloatDType::F32);
-        if grad_scale != 1.0 {
-            g = g.mul_scalar(grad_scale);
-        }
-        if len > numel {
-            g = Tensor::cat(
-                vec![g, Tensor::zeros([len - numel], (&device, DType::F32))],
-                0,
-            );
-        }
-        let m = slot
-            .m
-            .values(Which::First)
-            .mul_scalar(c.beta1)
-            .add(g.clone().mul_scalar(1.0 - c.beta1));
-        let v = slot
-            .v
-            .values(Which::Second)
-            .mul_scalar(c.beta2)
-            .add(g.square().mul_scalar(1.0 - c.beta2));
-        let t = self.steps as i32;
-        let m_hat = m.clone().div_scalar(1.0 - c.beta1.powi(t));
-        let v_hat = v.clone().div_scalar(1.0 - c.beta2.powi(t));
-        let mut step = m_hat / v_hat.sqrt().add_scalar(c.epsilon);
-        if len > numel {
-            step = step.narrow(0, 0, numel);
-        }
-        let weights = weights.mul_scalar(1.0 - lr * c.weight_decay) - step.mul_scalar(lr);
-        (slot.m, slot.v) = if quantized {
-            (
-                Moment::quantize(m, Which::First),
-                Moment::quantize(v, Which::Second),
-            )
-        } else {
-            (Moment::F32(m), Moment::F32(v))
-        };
-        let out = if dtype == DType::F32 {
-            weights
-        } else {
-            slot.master = Some(weights.clone());
-            weights.cast(dtype)
-        };
-        P::to_model(out, &model_device).reshape(shape)
-    }
-
     /// The state as named tensors, for a checkpoint: `<path>.m`, `<path>.v` (f32 moments) or
-    /// `<path>.m.codes`, `<path>.m.absmax`, `<path>.v.codes`, `<path>.v.absmax` (8-bit moments;
-    /// `v.*` encodes `sqrt(v)`), and `<path>.master`, the exact f32 value of every optimized
-    /// parameter (its master copy, or the parameter itself when it is f32), so that a resume is
-    /// exact whatever dtype the LoRA file was saved in. Reads the tensors back from the device.
-    pub fn to_tensors<AB, M>(&self, module: &M) -> Vec<(String, TensorData)>
+    /// `<path>.m.codes`, `<path>.m.absmax`, `<path>.v.codes`, `<path>.v.absmax` (8-bit moments
+    /// of the parameter's whole blocks; `v.*` encodes `sqrt(v)`), and `<path>.master`, the
+    /// exact f32 value of every optimized parameter (its master copy, or the parameter itself
+    /// when it is f32), so that a resume is exact whatever dtype the LoRA file was saved in.
+    /// Reads the tensors back from the device.
+    pub fn to_tensors<AB, M>(&self, _module: &M) -> Vec<(String, TensorData)>
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let params = ParamValues::collect(module, self.slots.keys().cloned().collect());
         let mut out = Vec::new();
-        for (path, slot) in &self.slots {
-            for (which, moment) in [(Which::First, &slot.m), (Which::Second, &slot.v)] {
-                for (suffix, data) in moment.to_data(which) {
-                    out.push((format!("{path}.{suffix}"), data));
+        for chunk in &self.chunks {
+            for member in &chunk.members {
+                let path = &member.path;
+                for (which, moment) in [(Which::First, &chunk.m), (Which::Second, &chunk.v)] {
+                    for (suffix, data) in moment.member(member).to_data(which) {
+                        out.push((format!("{path}.{suffix}"), data));
+                    }
                 }
+                let master = member_values(&chunk.master, member).to_data();
+                out.push((format!("{path}.master"), master));
             }
-            let master = match &slot.master {
-                Some(master) => master.to_data(),
-                None => params
-                    .get(path)
-                    .expect("the optimizer state belongs to this module")
-                    .0
-                    .to_data(),
-            };
-            out.push((format!("{path}.master"), master));
         }
         out
     }
@@ -752,69 +806,108 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         M: AutodiffModule<AB>,
     {
         let mut tensors: BTreeMap<String, TensorData> = tensors.into_iter().collect();
-        let paths: Vec<String> = tensors
+        let paths: BTreeSet<String> = tensors
             .keys()
             .filter_map(|k| k.strip_suffix(".master").map(str::to_string))
             .collect();
-        let params = ParamValues::collect(&module, paths.iter().cloned().collect());
-        let mut slots = BTreeMap::new();
+        let mut visitor = Entries::<B> {
+            path: PathStack::default(),
+            grads: None,
+            wanted: Some(&paths),
+            entries: Vec::new(),
+        };
+        module.visit(&mut visitor);
+        let entries = visitor.entries;
+        if let Some(path) = paths
+            .iter()
+            .find(|p| !entries.iter().any(|e| &e.path == *p))
+        {
+            return Err(state_error(path, "no such parameter in the model"));
+        }
+        let Some(model_device) = entries.first().map(|e| e.value.device()) else {
+            return Ok(module);
+        };
+        let device = P::state_device(&model_device);
+        let layout: Vec<(String, DType, usize)> = entries
+            .iter()
+            .map(|e| (e.path.clone(), e.dtype, e.value.shape().num_elements()))
+            .collect();
+        let mut take = |key: String, len: usize, dtype: DType| -> Result<TensorData, OptimError> {
+            let data = tensors.remove(&key).ok_or_else(|| {
+                state_error(&key, "missing (saved with another optimizer or model?)")
+            })?;
+            if data.shape.num_elements() != len || data.dtype != dtype {
+                return Err(state_error(
+                    &key,
+                    format!(
+                        "is {:?} {:?}, expected {dtype:?} with {len} values",
+                        data.dtype, data.shape
+                    ),
+                ));
+            }
+            Ok(data)
+        };
+        let mut chunks = Vec::new();
         let mut values = BTreeMap::new();
-        for path in paths {
-            let (param, dtype) = params
-                .get(&path)
-                .ok_or_else(|| state_error(&path, "no such parameter in the model"))?;
-            let numel = param.dims()[0];
-            let model_device = param.device();
-            let device = P::state_device(&model_device);
-            let quantized = self.config.kind == OptimizerKind::AdamW8bit && numel >= MIN_8BIT_NUMEL;
-            let len = if quantized {
-                numel.div_ceil(BLOCK) * BLOCK
-            } else {
-                numel
-            };
-            let mut take =
-                |suffix: &str, len: usize, dtype: DType| -> Result<TensorData, OptimError> {
-                    let key = format!("{path}.{suffix}");
-                    let data = tensors.remove(&key).ok_or_else(|| {
-                        state_error(&key, "missing (saved with another optimizer or model?)")
-                    })?;
-                    if data.shape.num_elements() != len || data.dtype != dtype {
-                        return Err(state_error(
-                            &key,
-                            format!(
-                                "is {:?} {:?}, expected {dtype:?} with {len} values",
-                                data.dtype, data.shape
-                            ),
-                        ));
-                    }
-                    Ok(data)
-                };
+        for (dtype, quantized, members, len) in
+            plan_chunks(&layout, self.config.kind, self.chunk_values)
+        {
             let mut moment = |which: Which| -> Result<Moment<P::State>, OptimError> {
                 let name = which.name();
+                let mut parts = |suffix: &str, per: usize, dtype: DType| {
+                    members
+                        .iter()
+                        .map(|m| {
+                            let count = if quantized {
+                                m.numel.div_ceil(BLOCK) * BLOCK / per
+                            } else {
+                                m.numel
+                            };
+                            let key = format!("{}.{suffix}", m.path);
+                            Ok((m.offset / per, take(key, count, dtype)?))
+                        })
+                        .collect::<Result<Vec<_>, OptimError>>()
+                };
                 Ok(if quantized {
                     let code = DType::from(which.code_dtype());
+                    let codes = parts(&format!("{name}.codes"), 1, code)?;
+                    let absmax = parts(&format!("{name}.absmax"), BLOCK, DType::F32)?;
                     Moment::Q8 {
-                        codes: upload(take(&format!("{name}.codes"), len, code)?, &device),
-                        absmax: upload(
-                            take(&format!("{name}.absmax"), len / BLOCK, DType::F32)?,
-                            &device,
-                        ),
+                        codes: upload(concat(codes, len, code), &device),
+                        absmax: upload(concat(absmax, len / BLOCK, DType::F32), &device),
                     }
                 } else {
-                    Moment::F32(upload(take(name, len, DType::F32)?, &device))
+                    Moment::F32(upload(
+                        concat(parts(name, 1, DType::F32)?, len, DType::F32),
+                        &device,
+                    ))
                 })
             };
             let m = moment(Which::First)?;
             let v = moment(Which::Second)?;
-            let master: Tensor<P::State, 1> = upload(take("master", numel, DType::F32)?, &device);
-            let slot = Slot {
-                numel,
+            let masters = members
+                .iter()
+                .map(|m| {
+                    Ok((
+                        m.offset,
+                        take(format!("{}.master", m.path), m.numel, DType::F32)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>, OptimError>>()?;
+            let master: Tensor<P::State, 1> = upload(concat(masters, len, DType::F32), &device);
+            let on_model = P::to_model(master.clone(), &model_device);
+            for member in &members {
+                values.insert(member.path.clone(), member_values(&on_model, member));
+            }
+            chunks.push(Chunk {
+                dtype,
+                quantized,
+                members,
+                len,
                 m,
                 v,
-                master: (*dtype != DType::F32).then(|| master.clone()),
-            };
-            values.insert(path.clone(), P::to_model(master, &model_device));
-            slots.insert(path, slot);
+                master,
+            });
         }
         if let Some(key) = tensors.keys().next() {
             return Err(state_error(
@@ -823,11 +916,54 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             ));
         }
         self.steps = steps;
-        self.slots = slots;
+        self.chunks = chunks;
         Ok(module.map(&mut SetValues::<B> {
             path: PathStack::default(),
             values,
         }))
+    }
+}
+
+impl<B: Backend> Chunk<B> {
+    /// The AdamW update of the chunk with its f32 gradient `g` at step `t`: updates the state
+    /// and returns the new values in the parameters' dtype.
+    fn update(
+        &mut self,
+        c: &AdamWConfig,
+        t: u64,
+        mut g: Tensor<B, 1>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Tensor<B, 1> {
+        if grad_scale != 1.0 {
+            g = g.mul_scalar(grad_scale);
+        }
+        let m = self
+            .m
+            .values(Which::First)
+            .mul_scalar(c.beta1)
+            .add(g.clone().mul_scalar(1.0 - c.beta1));
+        let v = self
+            .v
+            .values(Which::Second)
+            .mul_scalar(c.beta2)
+            .add(g.square().mul_scalar(1.0 - c.beta2));
+        let t = t as i32;
+        let m_hat = m.clone().div_scalar(1.0 - c.beta1.powi(t));
+        let v_hat = v.clone().div_scalar(1.0 - c.beta2.powi(t));
+        let step = m_hat / v_hat.sqrt().add_scalar(c.epsilon);
+        let weights =
+            self.master.clone().mul_scalar(1.0 - lr * c.weight_decay) - step.mul_scalar(lr);
+        (self.m, self.v) = if self.quantized {
+            (
+                Moment::quantize(m, Which::First),
+                Moment::quantize(v, Which::Second),
+            )
+        } else {
+            (Moment::F32(m), Moment::F32(v))
+        };
+        self.master = weights.clone();
+        weights.cast(self.dtype)
     }
 }
 
@@ -1009,6 +1145,147 @@ mod tests {
             unreachable!()
         };
         assert_eq!(codes.dtype(), DType::U8);
+    }
+
+    #[test]
+    fn chunks_group_consecutive_parameters_of_one_format_and_pad_8bit_ones() {
+        let e = |path: &str, dtype, numel| (path.to_string(), dtype, numel);
+        let entries = [
+            e("a", DType::BF16, 4500),
+            e("b", DType::BF16, 5000),
+            e("c", DType::F32, 7),
+            e("d", DType::BF16, 15),
+            e("e", DType::BF16, 9000),
+        ];
+        let layout = |kind, limit| {
+            plan_chunks(&entries, kind, limit)
+                .into_iter()
+                .map(|(dtype, q, members, len)| {
+                    let members: Vec<(String, usize)> =
+                        members.into_iter().map(|m| (m.path, m.offset)).collect();
+                    (dtype, q, members, len)
+                })
+                .collect::<Vec<_>>()
+        };
+        let at = |path: &str, offset| (path.to_string(), offset);
+        // 8-bit: a and b padded to whole blocks (4608, 5120); c and d keep f32 moments.
+        assert_eq!(
+            layout(OptimizerKind::AdamW8bit, CHUNK),
+            vec![
+                (DType::BF16, true, vec![at("a", 0), at("b", 4608)], 9728),
+                (DType::F32, false, vec![at("c", 0)], 7),
+                (DType::BF16, false, vec![at("d", 0)], 15),
+                (DType::BF16, true, vec![at("e", 0)], 9216),
+            ]
+        );
+        // A limit below two parameters' length splits them; one larger than it stands alone.
+        assert_eq!(
+            layout(OptimizerKind::AdamW, 9000)
+                .iter()
+                .map(|(_, _, members, len)| (members.len(), *len))
+                .collect::<Vec<_>>(),
+            vec![(1, 4500), (1, 5000), (1, 7), (1, 15), (1, 9000)]
+        );
+        assert_eq!(
+            layout(OptimizerKind::AdamW, 9500)
+                .iter()
+                .map(|(_, _, members, len)| (members.len(), *len))
+                .collect::<Vec<_>>(),
+            vec![(2, 9500), (1, 7), (2, 9015)]
+        );
+    }
+
+    #[derive(burn::module::Module, Debug)]
+    struct Net<B: Backend> {
+        a: Param<Tensor<B, 2>>,
+        b: Param<Tensor<B, 1>>,
+        c: Param<Tensor<B, 2>>,
+        d: Param<Tensor<B, 2>>,
+    }
+
+    type AD = burn::backend::Autodiff<Flex>;
+
+    fn net() -> Net<AD> {
+        let device = Default::default();
+        let param = |shape: [usize; 2], dtype: DType, seed: f32| {
+            let n = shape[0] * shape[1];
+            let values: Vec<f32> = (0..n).map(|i| ((i as f32 + seed) * 0.37).sin()).collect();
+            let t = Tensor::<AD, 1>::from_floats(values.as_slice(), &device)
+                .reshape(shape)
+                .cast(dtype);
+            Param::from_tensor(t.detach().require_grad())
+        };
+        Net {
+            a: param([9, 500], DType::BF16, 1.0),
+            b: Param::from_tensor(
+                Tensor::<AD, 1>::from_floats([0.5, -0.25, 2.0, 1.0, -1.5, 0.1, 0.0], &device)
+                    .require_grad(),
+            ),
+            c: param([3, 5], DType::BF16, 2.0),
+            d: param([10, 500], DType::BF16, 3.0),
+        }
+    }
+
+    /// Steps of `optimizer` on a loss whose gradients differ per value and per step.
+    fn train(net: Net<AD>, optimizer: &mut AdamW<Flex>, steps: usize) -> Net<AD> {
+        let mut net = net;
+        for step in 0..steps {
+            let f = |p: &Param<Tensor<AD, 2>>| {
+                let x = p.val().cast(DType::F32);
+                (x.clone() * x.add_scalar(step as f64).sin()).sum()
+            };
+            let loss = f(&net.a) + f(&net.c) + f(&net.d) + net.b.val().powi_scalar(3).sum();
+            let grads = GradientsParams::from_grads(loss.backward(), &net);
+            net = optimizer.step(net, grads, 1e-2).0;
+        }
+        net
+    }
+
+    /// The saved state's keys, dtypes and bytes.
+    fn bytes(state: &[(String, TensorData)]) -> Vec<(String, DType, Vec<u8>)> {
+        state
+            .iter()
+            .map(|(k, d)| (k.clone(), d.dtype, d.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn chunking_changes_no_value_of_the_update_or_the_saved_state() {
+        for kind in [OptimizerKind::AdamW, OptimizerKind::AdamW8bit] {
+            let optimizer = |chunk_values: usize| {
+                let mut optimizer = AdamW::<Flex>::new(AdamWConfig::new(kind, 0.1));
+                optimizer.chunk_values = chunk_values;
+                optimizer
+            };
+            // One parameter per chunk against every parameter of a format in one chunk.
+            let mut each = optimizer(1);
+            let net_each = train(net(), &mut each, 3);
+            let mut together = optimizer(CHUNK);
+            let net_together = train(net(), &mut together, 3);
+            // a | b | c d, or with 8-bit moments a | b | c | d (c keeps f32 moments).
+            let grouped = if kind == OptimizerKind::AdamW { 3 } else { 4 };
+            assert_eq!(
+                (each.chunks.len(), together.chunks.len()),
+                (4, grouped),
+                "{kind:?}"
+            );
+            let state = each.to_tensors(&net_each);
+            assert_eq!(
+                bytes(&state),
+                bytes(&together.to_tensors(&net_together)),
+                "{kind:?}"
+            );
+            // Restored into the other chunking, the run goes on as if never interrupted.
+            let straight = train(net_together, &mut together, 2);
+            let mut resumed = optimizer(CHUNK);
+            let restored = resumed.restore(net(), 3, state).unwrap();
+            let net_resumed = train(restored, &mut resumed, 2);
+            assert_eq!(
+                bytes(&resumed.to_tensors(&net_resumed)),
+                bytes(&together.to_tensors(&straight)),
+                "{kind:?}"
+            );
+        }
     }
 
     #[test]

@@ -261,8 +261,10 @@ where
             accumulator.accumulate(&flux, grads);
         }
         let loss = loss_sum / plan.train.gradient_accumulation_steps as f64;
+        let losses_read = start.elapsed().as_secs_f64();
         let (updated, stepped) = optimizer.step(flux, accumulator.grads(), lr);
         flux = updated;
+        let optimizer_queued = start.elapsed().as_secs_f64() - losses_read;
         step += 1;
         if let Some(measured) = &mut measured {
             // Before anything of the step is saved: a budget too small stops the run here.
@@ -286,6 +288,14 @@ where
             memory = gigabytes(B::memory_in_use(device));
         }
         progress.step(step, loss, lr, seconds, &memory);
+        // Host time, up to the loss's read (which waits for the backward to finish on the
+        // device), then for the optimizer (which waits for the gradients' norm and queues the
+        // update): where the step's time goes beside the device's own work.
+        tracing::debug!(
+            "step {step}: to the loss {losses_read:.3} s, optimizer {optimizer_queued:.3} s, \
+             rest {:.3} s",
+            seconds - losses_read - optimizer_queued
+        );
         if step % plan.logging.every == 0 || step == plan.train.steps {
             tracing::info!(
                 "step {step}: loss {loss:.5}, lr {lr:.3e}, {seconds:.2} s, device memory {memory}"

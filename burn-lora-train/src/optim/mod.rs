@@ -52,9 +52,14 @@ use burn::backend::Flex;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
-use burn::tensor::{DType, ElementConversion, FloatDType, Int, IntDType, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 
 use crate::config::{OptimizerKind, OptimizerState, SchedulerKind, TrainSettings};
+
+mod chunk;
+mod host;
+
+use chunk::{Chunk, Moment, UpdateStep, Which, gather, member_values, plan_chunks};
 
 /// The 8-bit code stores `levels · y^(1 / CODE_POWER)` for a value at ratio `y` of its block's
 /// absmax.
@@ -148,6 +153,18 @@ pub trait StatePlacement<B: Backend>: Clone + std::fmt::Debug + Send + 'static {
 
     /// An updated parameter value back on `device`, in its dtype.
     fn to_model(tensor: Tensor<Self::State, 1>, device: &B::Device) -> Tensor<B, 1>;
+
+    /// One step of `chunk` with its gradient `g` (in the parameters' dtype, on the state's
+    /// device); returns the new values in the parameters' dtype. By default Burn's tensor ops
+    /// on the state's backend.
+    #[doc(hidden)]
+    fn update(
+        chunk: &mut Chunk<Self::State>,
+        step: &UpdateStep,
+        g: Tensor<Self::State, 1>,
+    ) -> Tensor<Self::State, 1> {
+        chunk.update(step, g)
+    }
 }
 
 /// The state beside the parameters, updated on their device.
@@ -188,136 +205,14 @@ impl<B: Backend> StatePlacement<B> for OnHost {
     fn to_model(tensor: Tensor<Flex, 1>, device: &B::Device) -> Tensor<B, 1> {
         upload(tensor.into_data(), device)
     }
-}
 
-/// One stored moment: f32 values, or 8-bit codes with a scale per block.
-#[derive(Clone, Debug)]
-enum Moment<B: Backend> {
-    F32(Tensor<B, 1>),
-    Q8 {
-        codes: Tensor<B, 1, Int>,
-        absmax: Tensor<B, 1>,
-    },
-}
-
-/// Which of the two moments: they differ only in the 8-bit code.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Which {
-    /// First moment, signed code on `m`.
-    First,
-    /// Second moment, unsigned code on `sqrt(v)`.
-    Second,
-}
-
-impl Which {
-    fn levels(self) -> f64 {
-        match self {
-            Which::First => 127.0,
-            Which::Second => 255.0,
-        }
-    }
-
-    fn code_dtype(self) -> IntDType {
-        match self {
-            Which::First => IntDType::I8,
-            Which::Second => IntDType::U8,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Which::First => "m",
-            Which::Second => "v",
-        }
+    fn update(chunk: &mut Chunk<Flex>, step: &UpdateStep, g: Tensor<Flex, 1>) -> Tensor<Flex, 1> {
+        host::update(chunk, step, g)
     }
 }
 
-impl<B: Backend> Moment<B> {
-    /// Zeros for `len` values (a multiple of [`BLOCK`] when `quantized`).
-    fn zeros(len: usize, quantized: bool, which: Which, device: &B::Device) -> Self {
-        let values = Tensor::zeros([len], (device, DType::F32));
-        if quantized {
-            Self::quantize(values, which)
-        } else {
-            Self::F32(values)
-        }
-    }
-
-    /// Encodes `values` (`len` a multiple of [`BLOCK`]); for [`Which::Second`], `values` is `v`.
-    fn quantize(values: Tensor<B, 1>, which: Which) -> Self {
-        let [len] = values.dims();
-        let blocks = match which {
-            Which::First => values,
-            Which::Second => values.sqrt(),
-        }
-        .reshape([len / BLOCK, BLOCK]);
-        let absmax = blocks.clone().abs().max_dim(1);
-        let y = blocks / absmax.clone().clamp_min(f32::MIN_POSITIVE);
-        let magnitude = y
-            .clone()
-            .abs()
-            .powf_scalar(1.0 / CODE_POWER)
-            .mul_scalar(which.levels())
-            .round();
-        let q = match which {
-            Which::First => y.sign() * magnitude,
-            // At least code 1 for any positive value.
-            Which::Second => magnitude.max_pair(y.greater_elem(0.0).float()),
-        };
-        Self::Q8 {
-            codes: q.reshape([len]).cast(which.code_dtype()),
-            absmax: absmax.reshape([len / BLOCK]),
-        }
-    }
-
-    /// The stored values as f32 (`v` for [`Which::Second`]).
-    fn values(&self, which: Which) -> Tensor<B, 1> {
-        match self {
-            Self::F32(values) => values.clone(),
-            Self::Q8 { codes, absmax } => {
-                let [len] = codes.dims();
-                let q = codes
-                    .clone()
-                    .cast(FloatDType::F32)
-                    .reshape([len / BLOCK, BLOCK]);
-                let y = q
-                    .clone()
-                    .abs()
-                    .div_scalar(which.levels())
-                    .powf_scalar(CODE_POWER);
-                let y = match which {
-                    Which::First => q.sign() * y,
-                    Which::Second => y,
-                };
-                let x = (y * absmax.clone().reshape([len / BLOCK, 1])).reshape([len]);
-                match which {
-                    Which::First => x,
-                    Which::Second => x.square(),
-                }
-            }
-        }
-    }
-
-    /// The tensors to save, with their key suffixes.
-    fn to_data(&self, which: Which) -> Vec<(String, TensorData)> {
-        match self {
-            Self::F32(values) => vec![(which.name().to_string(), values.to_data())],
-            Self::Q8 { codes, absmax } => vec![
-                (format!("{}.codes", which.name()), codes.to_data()),
-                (format!("{}.absmax", which.name()), absmax.to_data()),
-            ],
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            Self::F32(values) => tensor_bytes(values.dims()[0], values.dtype()),
-            Self::Q8 { codes, absmax } => {
-                tensor_bytes(codes.dims()[0], codes.dtype())
-                    + tensor_bytes(absmax.dims()[0], absmax.dtype())
-            }
-        }
-    }
+fn tensor_bytes(len: usize, dtype: DType) -> usize {
+    len * dtype.size()
 }
 
 /// A tensor with exactly the saved values and dtype.
@@ -329,26 +224,11 @@ fn upload<B: Backend, K: burn::tensor::BasicOps<B>>(
     Tensor::from_data(data, (device, dtype))
 }
 
-fn tensor_bytes(len: usize, dtype: DType) -> usize {
-    len * dtype.size()
-}
-
 /// Values updated by one pass of the update's tensor ops, at most: parameters are gathered into
 /// flat chunks of up to this many values (a parameter larger than that is a chunk of its own),
 /// so that a step launches a few dozen kernels per chunk instead of per parameter, and the
 /// chunk's f32 temporaries stay within 64 MiB each.
 pub const CHUNK: usize = 1 << 24;
-
-/// One parameter's place in its chunk.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Member {
-    /// The module path, the key of its saved state.
-    path: String,
-    /// Values in the parameter.
-    numel: usize,
-    /// Where its values start in the chunk.
-    offset: usize,
-}
 
 /// A parameter the optimizer sees, in the module's visiting order.
 struct Entry<B: Backend> {
@@ -358,98 +238,6 @@ struct Entry<B: Backend> {
     value: Tensor<B, 1>,
     /// Its gradient, flattened, when it has one.
     grad: Option<Tensor<B, 1>>,
-}
-
-/// Consecutive parameters of one dtype and moment format, updated together as one flat
-/// tensor. Every flat tensor of the chunk (moments, master, gradient) has `len` values: the
-/// members one after another, each padded to a whole [`BLOCK`] when the moments are 8-bit (so
-/// that no block straddles two parameters), the padding 0.
-#[derive(Clone, Debug)]
-struct Chunk<B: Backend> {
-    /// The parameters' dtype.
-    dtype: DType,
-    /// Whether the moments are 8-bit.
-    quantized: bool,
-    members: Vec<Member>,
-    len: usize,
-    m: Moment<B>,
-    v: Moment<B>,
-    /// The f32 values of the members: for 16-bit parameters the master copy they are rounded
-    /// from, for f32 parameters the very values they hold.
-    master: Tensor<B, 1>,
-}
-
-/// The layout of chunks over `entries` (path, dtype, values) in order: consecutive parameters
-/// of one dtype and moment format, up to `chunk_values` values each. Returns per chunk its dtype,
-/// moment format, members and length.
-fn plan_chunks(
-    entries: &[(String, DType, usize)],
-    kind: OptimizerKind,
-    chunk_values: usize,
-) -> Vec<(DType, bool, Vec<Member>, usize)> {
-    let mut chunks: Vec<(DType, bool, Vec<Member>, usize)> = Vec::new();
-    for (path, dtype, numel) in entries {
-        let quantized = kind == OptimizerKind::AdamW8bit && *numel >= MIN_8BIT_NUMEL;
-        let padded = if quantized {
-            numel.div_ceil(BLOCK) * BLOCK
-        } else {
-            *numel
-        };
-        let fits = chunks.last().is_some_and(|(d, q, _, len)| {
-            d == dtype && *q == quantized && len + padded <= chunk_values
-        });
-        if !fits {
-            chunks.push((*dtype, quantized, Vec::new(), 0));
-        }
-        let (_, _, members, len) = chunks.last_mut().expect("a chunk was just pushed");
-        members.push(Member {
-            path: path.clone(),
-            numel: *numel,
-            offset: *len,
-        });
-        *len += padded;
-    }
-    chunks
-}
-
-/// The members' tensors (flattened, in `dtype`) laid out as the chunk's flat tensor on
-/// `device`; members without one are zeros. `None` when no member has one.
-fn gather<B: Backend>(
-    members: &[Member],
-    len: usize,
-    dtype: DType,
-    mut tensor: impl FnMut(&Member) -> Option<Tensor<B, 1>>,
-) -> Option<Tensor<B, 1>> {
-    let mut flat: Option<Tensor<B, 1>> = None;
-    for member in members {
-        let Some(values) = tensor(member) else {
-            continue;
-        };
-        let base = flat.unwrap_or_else(|| Tensor::zeros([len], (&values.device(), dtype)));
-        flat = Some(base.slice_assign([member.offset..member.offset + member.numel], values));
-    }
-    flat
-}
-
-/// The member's values of the chunk's flat tensor.
-fn member_values<B: Backend>(flat: &Tensor<B, 1>, member: &Member) -> Tensor<B, 1> {
-    flat.clone().narrow(0, member.offset, member.numel)
-}
-
-impl<B: Backend> Moment<B> {
-    /// The values of one member (for 8-bit moments, its whole blocks).
-    fn member(&self, member: &Member) -> Self {
-        match self {
-            Self::F32(values) => Self::F32(member_values(values, member)),
-            Self::Q8 { codes, absmax } => {
-                let blocks = member.numel.div_ceil(BLOCK);
-                Self::Q8 {
-                    codes: codes.clone().narrow(0, member.offset, blocks * BLOCK),
-                    absmax: absmax.clone().narrow(0, member.offset / BLOCK, blocks),
-                }
-            }
-        }
-    }
 }
 
 /// AdamW over the parameters of a module that receive gradients, keyed by module path, with
@@ -707,22 +495,22 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             .into_iter()
             .filter_map(|e| e.grad.map(|g| (e.path, g)))
             .collect();
-        // The gradients chunk by chunk, f32 on the state's device, and their squared norm.
+        // The gradients chunk by chunk, their squared norm on the parameters' device, then
+        // the gradients on the state's device in the parameters' dtype.
         let mut flat_grads = Vec::with_capacity(self.chunks.len());
-        let mut squares: Option<Tensor<P::State, 1>> = None;
+        let mut squares: Option<Tensor<B, 1>> = None;
         for chunk in &self.chunks {
             let flat = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
                 grads.remove(&m.path)
-            })
-            .map(|g| P::to_state(g).cast(FloatDType::F32));
+            });
             if let Some(g) = &flat {
-                let sum = g.clone().square().sum();
+                let sum = g.clone().cast(FloatDType::F32).square().sum();
                 squares = Some(match squares.take() {
                     Some(total) => total + sum,
                     None => sum,
                 });
             }
-            flat_grads.push(flat);
+            flat_grads.push(flat.map(P::to_state));
         }
         let grad_norm = squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
         if !grad_norm.is_finite() {
@@ -741,12 +529,17 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         };
         self.steps += 1;
         let mut values = BTreeMap::new();
-        let (config, steps) = (self.config, self.steps);
+        let step = UpdateStep {
+            config: self.config,
+            t: self.steps,
+            lr,
+            grad_scale,
+        };
         for (chunk, g) in self.chunks.iter_mut().zip(flat_grads) {
             let Some(g) = g else {
                 continue;
             };
-            let out = chunk.update(&config, steps, g, lr, grad_scale);
+            let out = P::update(chunk, &step, g);
             let out = P::to_model(out, &model_device);
             for member in &chunk.members {
                 values.insert(member.path.clone(), member_values(&out, member));
@@ -921,49 +714,6 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             path: PathStack::default(),
             values,
         }))
-    }
-}
-
-impl<B: Backend> Chunk<B> {
-    /// The AdamW update of the chunk with its f32 gradient `g` at step `t`: updates the state
-    /// and returns the new values in the parameters' dtype.
-    fn update(
-        &mut self,
-        c: &AdamWConfig,
-        t: u64,
-        mut g: Tensor<B, 1>,
-        lr: f64,
-        grad_scale: f64,
-    ) -> Tensor<B, 1> {
-        if grad_scale != 1.0 {
-            g = g.mul_scalar(grad_scale);
-        }
-        let m = self
-            .m
-            .values(Which::First)
-            .mul_scalar(c.beta1)
-            .add(g.clone().mul_scalar(1.0 - c.beta1));
-        let v = self
-            .v
-            .values(Which::Second)
-            .mul_scalar(c.beta2)
-            .add(g.square().mul_scalar(1.0 - c.beta2));
-        let t = t as i32;
-        let m_hat = m.clone().div_scalar(1.0 - c.beta1.powi(t));
-        let v_hat = v.clone().div_scalar(1.0 - c.beta2.powi(t));
-        let step = m_hat / v_hat.sqrt().add_scalar(c.epsilon);
-        let weights =
-            self.master.clone().mul_scalar(1.0 - lr * c.weight_decay) - step.mul_scalar(lr);
-        (self.m, self.v) = if self.quantized {
-            (
-                Moment::quantize(m, Which::First),
-                Moment::quantize(v, Which::Second),
-            )
-        } else {
-            (Moment::F32(m), Moment::F32(v))
-        };
-        self.master = weights.clone();
-        weights.cast(self.dtype)
     }
 }
 

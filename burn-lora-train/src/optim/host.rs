@@ -1,0 +1,408 @@
+//! The update of a chunk whose state is in host memory ([`super::OnHost`]): one pass over the
+//! values on all cores, instead of a pass per tensor op on one. Each value goes through the
+//! operations [`Chunk::update`] applies with Burn's tensor ops, in the same order, each rounded
+//! to f32, and is rounded to its dtype to nearest even. Flex's tensor ops give the same values
+//! but for the last bit of a few: its casts to bf16 decide ties from the top bits only, and its
+//! vectorised division rounds some quotients the other way.
+
+use burn::backend::Flex;
+use burn::tensor::{DType, Int, Tensor, TensorData, bf16, f16};
+use rayon::prelude::*;
+
+use super::chunk::{Chunk, Moment, UpdateStep};
+use super::{BLOCK, CODE_POWER, upload};
+
+/// Values per task of the f32-moment update.
+const SPAN: usize = 1 << 14;
+
+/// A parameter dtype: read as f32, written back rounded to nearest even.
+trait Value: Copy + Send + Sync + burn::tensor::Element {
+    fn to_f32(self) -> f32;
+    fn from_f32(value: f32) -> Self;
+}
+
+impl Value for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl Value for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+impl Value for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+/// The scalars of the update, each rounded to f32 as Burn's scalar ops round them.
+#[derive(Clone, Copy)]
+struct Scalars {
+    grad_scale: Option<f32>,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    correction1: f32,
+    correction2: f32,
+    epsilon: f32,
+    decay: f32,
+    lr: f32,
+}
+
+impl Scalars {
+    fn new(step: &UpdateStep) -> Self {
+        let c = step.config;
+        let t = step.t as i32;
+        Self {
+            grad_scale: (step.grad_scale != 1.0).then_some(step.grad_scale as f32),
+            beta1: c.beta1 as f32,
+            one_minus_beta1: (1.0 - c.beta1) as f32,
+            beta2: c.beta2 as f32,
+            one_minus_beta2: (1.0 - c.beta2) as f32,
+            correction1: (1.0 - c.beta1.powi(t)) as f32,
+            correction2: (1.0 - c.beta2.powi(t)) as f32,
+            epsilon: c.epsilon as f32,
+            decay: (1.0 - step.lr * c.weight_decay) as f32,
+            lr: step.lr as f32,
+        }
+    }
+
+    /// One value: the new `(m, v, weight)` from the old moments, the gradient and the master.
+    #[inline]
+    fn step(&self, m: f32, v: f32, g: f32, master: f32) -> (f32, f32, f32) {
+        let g = match self.grad_scale {
+            Some(scale) => g * scale,
+            None => g,
+        };
+        let m = m * self.beta1 + g * self.one_minus_beta1;
+        let v = v * self.beta2 + (g * g) * self.one_minus_beta2;
+        let m_hat = m / self.correction1;
+        let v_hat = v / self.correction2;
+        let step = m_hat / (v_hat.sqrt() + self.epsilon);
+        (m, v, master * self.decay - step * self.lr)
+    }
+}
+
+/// [`Chunk::update`] on the CPU's cores.
+pub fn update(chunk: &mut Chunk<Flex>, step: &UpdateStep, g: Tensor<Flex, 1>) -> Tensor<Flex, 1> {
+    match chunk.dtype {
+        DType::BF16 => update_typed::<bf16>(chunk, step, g),
+        DType::F16 => update_typed::<f16>(chunk, step, g),
+        _ => update_typed::<f32>(chunk, step, g),
+    }
+}
+
+fn floats(tensor: Tensor<Flex, 1>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .into_vec()
+        .expect("the optimizer's f32 state")
+}
+
+fn update_typed<T: Value>(
+    chunk: &mut Chunk<Flex>,
+    step: &UpdateStep,
+    g: Tensor<Flex, 1>,
+) -> Tensor<Flex, 1> {
+    let device = g.device();
+    let len = chunk.len;
+    let g: Vec<T> = g
+        .cast(chunk.dtype)
+        .into_data()
+        .into_vec()
+        .expect("a gradient in the parameters' dtype");
+    let s = Scalars::new(step);
+    let taken = |moment: &mut Moment<Flex>| {
+        std::mem::replace(moment, Moment::F32(Tensor::empty([0], &device)))
+    };
+    let mut master = floats(std::mem::replace(
+        &mut chunk.master,
+        Tensor::empty([0], &device),
+    ));
+    let mut out = vec![T::from_f32(0.0); len];
+    match (taken(&mut chunk.m), taken(&mut chunk.v)) {
+        (Moment::F32(m), Moment::F32(v)) => {
+            let (mut m, mut v) = (floats(m), floats(v));
+            m.par_chunks_mut(SPAN)
+                .zip(v.par_chunks_mut(SPAN))
+                .zip(master.par_chunks_mut(SPAN))
+                .zip(out.par_chunks_mut(SPAN))
+                .zip(g.par_chunks(SPAN))
+                .for_each(|((((m, v), master), out), g)| {
+                    for i in 0..m.len() {
+                        let (mi, vi, w) = s.step(m[i], v[i], g[i].to_f32(), master[i]);
+                        (m[i], v[i], master[i], out[i]) = (mi, vi, w, T::from_f32(w));
+                    }
+                });
+            chunk.m = Moment::F32(Tensor::from_data(TensorData::new(m, [len]), &device));
+            chunk.v = Moment::F32(Tensor::from_data(TensorData::new(v, [len]), &device));
+        }
+        (
+            Moment::Q8 {
+                codes: m_codes,
+                absmax: m_absmax,
+            },
+            Moment::Q8 {
+                codes: v_codes,
+                absmax: v_absmax,
+            },
+        ) => {
+            let ints = |codes: Tensor<Flex, 1, Int>| codes.into_data();
+            let mut m_codes: Vec<i8> = ints(m_codes).into_vec().expect("i8 codes");
+            let mut v_codes: Vec<u8> = ints(v_codes).into_vec().expect("u8 codes");
+            let (mut m_absmax, mut v_absmax) = (floats(m_absmax), floats(v_absmax));
+            m_codes
+                .par_chunks_mut(BLOCK)
+                .zip(v_codes.par_chunks_mut(BLOCK))
+                .zip(m_absmax.par_iter_mut())
+                .zip(v_absmax.par_iter_mut())
+                .zip(master.par_chunks_mut(BLOCK))
+                .zip(out.par_chunks_mut(BLOCK))
+                .zip(g.par_chunks(BLOCK))
+                .for_each(|((((((mc, vc), ma), va), master), out), g)| {
+                    let mut m = [0f32; BLOCK];
+                    let mut w = [0f32; BLOCK];
+                    for i in 0..BLOCK {
+                        let m_old = decode_signed(mc[i], *ma);
+                        let v_old = decode_unsigned(vc[i], *va);
+                        let (mi, vi, wi) = s.step(m_old, v_old, g[i].to_f32(), master[i]);
+                        (m[i], w[i]) = (mi, vi.sqrt());
+                        master[i] = wi;
+                        out[i] = T::from_f32(wi);
+                    }
+                    *ma = encode_signed(&m, mc);
+                    *va = encode_unsigned(&w, vc);
+                });
+            chunk.m = Moment::Q8 {
+                codes: upload(TensorData::new(m_codes, [len]), &device),
+                absmax: Tensor::from_data(TensorData::new(m_absmax, [len / BLOCK]), &device),
+            };
+            chunk.v = Moment::Q8 {
+                codes: upload(TensorData::new(v_codes, [len]), &device),
+                absmax: Tensor::from_data(TensorData::new(v_absmax, [len / BLOCK]), &device),
+            };
+        }
+        _ => unreachable!("both moments of a chunk have one format"),
+    }
+    chunk.master = Tensor::from_data(TensorData::new(master, [len]), &device);
+    upload(TensorData::new(out, [len]), &device)
+}
+
+/// Burn's `sign`.
+fn sign(x: f32) -> f32 {
+    if x.is_nan() {
+        x
+    } else if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
+/// A first-moment value from its code and its block's absmax.
+fn decode_signed(code: i8, absmax: f32) -> f32 {
+    let q = f32::from(code);
+    let y = (q.abs() / 127.0).powf(CODE_POWER as f32);
+    (sign(q) * y) * absmax
+}
+
+/// A second-moment value (`v`) from the code of `sqrt(v)` and its block's absmax.
+fn decode_unsigned(code: u8, absmax: f32) -> f32 {
+    let y = (f32::from(code) / 255.0).powf(CODE_POWER as f32);
+    let x = y * absmax;
+    x * x
+}
+
+/// The block's absmax, and its codes (`q = round(127 · sign(y) · |y|^(1/4))`) in `codes`.
+fn encode_signed(values: &[f32; BLOCK], codes: &mut [i8]) -> f32 {
+    let absmax = values
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &x| a.max(x.abs()));
+    let scale = absmax.max(f32::MIN_POSITIVE);
+    for (code, &x) in codes.iter_mut().zip(values) {
+        let y = x / scale;
+        let magnitude = (y.abs().powf((1.0 / CODE_POWER) as f32) * 127.0).round_ties_even();
+        *code = (sign(y) * magnitude) as i8;
+    }
+    absmax
+}
+
+/// The block's absmax, and its codes (`q = round(255 · y^(1/4))`, at least 1 for `y > 0`).
+fn encode_unsigned(values: &[f32; BLOCK], codes: &mut [u8]) -> f32 {
+    let absmax = values
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &x| a.max(x.abs()));
+    let scale = absmax.max(f32::MIN_POSITIVE);
+    for (code, &x) in codes.iter_mut().zip(values) {
+        let y = x / scale;
+        let magnitude = (y.abs().powf((1.0 / CODE_POWER) as f32) * 255.0).round_ties_even();
+        let floor = if y > 0.0 { 1.0 } else { 0.0 };
+        *code = magnitude.max(floor) as u8;
+    }
+    absmax
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OptimizerKind;
+    use crate::optim::AdamWConfig;
+    use crate::optim::chunk::{Member, Which};
+
+    /// A chunk of `len` values with moments from a first update of `g0` (so that they are not
+    /// zero) and the given master values.
+    fn chunk(quantized: bool, dtype: DType, len: usize, seed: f32) -> Chunk<Flex> {
+        let device = Default::default();
+        let wave = |k: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i as f32 + seed) * k).sin() * (1.0 + (i % 7) as f32))
+                .collect()
+        };
+        let tensor = |v: Vec<f32>| Tensor::<Flex, 1>::from_floats(v.as_slice(), &device);
+        let m = tensor(wave(0.37)).mul_scalar(1e-3);
+        let v = tensor(wave(0.91)).powi_scalar(2).mul_scalar(1e-6);
+        let (m, v) = if quantized {
+            (
+                Moment::quantize(m, Which::First),
+                Moment::quantize(v, Which::Second),
+            )
+        } else {
+            (Moment::F32(m), Moment::F32(v))
+        };
+        Chunk {
+            dtype,
+            quantized,
+            members: vec![Member {
+                path: "p".into(),
+                numel: len,
+                offset: 0,
+            }],
+            len,
+            m,
+            v,
+            master: tensor(wave(0.13)),
+        }
+    }
+
+    /// The values of a tensor of any dtype, as f64.
+    fn numbers(data: TensorData) -> Vec<f64> {
+        match data.dtype {
+            DType::I8 => data
+                .to_vec::<i8>()
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            DType::U8 => data
+                .to_vec::<u8>()
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            _ => data
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+        }
+    }
+
+    fn moment(moment: &Moment<Flex>) -> Vec<Vec<f64>> {
+        match moment {
+            Moment::F32(values) => vec![numbers(values.to_data())],
+            Moment::Q8 { codes, absmax } => {
+                vec![numbers(codes.to_data()), numbers(absmax.to_data())]
+            }
+        }
+    }
+
+    /// `a` and `b` agree within `relative` of each value plus `absolute`, and exactly for all
+    /// but one in a hundred.
+    fn close(a: &[f64], b: &[f64], (relative, absolute): (f64, f64), case: &str) {
+        assert_eq!(a.len(), b.len(), "{case}");
+        let mut apart = 0;
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let tolerance = relative * x.abs() + absolute;
+            assert!((x - y).abs() <= tolerance, "{case}[{i}]: {x} against {y}");
+            apart += usize::from(x != y);
+        }
+        assert!(
+            apart * 100 <= a.len(),
+            "{case}: {apart} of {} differ",
+            a.len()
+        );
+    }
+
+    #[test]
+    fn the_host_update_agrees_with_the_tensor_ops() {
+        let device = Default::default();
+        for (quantized, dtype, grad_scale) in [
+            (false, DType::F32, 1.0),
+            (false, DType::BF16, 0.37),
+            (true, DType::BF16, 1.0),
+            (true, DType::F32, 0.61),
+        ] {
+            let len = 16 * BLOCK;
+            let g: Vec<f32> = (0..len).map(|i| ((i as f32) * 0.71).cos() * 0.1).collect();
+            let g = Tensor::<Flex, 1>::from_floats(g.as_slice(), &device).cast(dtype);
+            let kind = if quantized {
+                OptimizerKind::AdamW8bit
+            } else {
+                OptimizerKind::AdamW
+            };
+            let step = UpdateStep {
+                config: AdamWConfig::new(kind, 0.1),
+                t: 3,
+                lr: 1e-2,
+                grad_scale,
+            };
+            let mut ops = chunk(quantized, dtype, len, 1.0);
+            let mut host = chunk(quantized, dtype, len, 1.0);
+            let by_ops = numbers(ops.update(&step, g.clone()).into_data());
+            let by_host = numbers(update(&mut host, &step, g).into_data());
+            let case = format!("{quantized} {dtype:?} {grad_scale}");
+            // One step of the parameters' dtype; two of f32 for the state.
+            let ulp = if dtype == DType::F32 {
+                2.0 / 8388608.0
+            } else {
+                1.0 / 128.0
+            };
+            close(&by_ops, &by_host, (ulp, 0.0), &format!("{case} values"));
+            close(
+                &numbers(ops.master.to_data()),
+                &numbers(host.master.to_data()),
+                (2.0 / 8388608.0, 0.0),
+                &format!("{case} master"),
+            );
+            for (which, a, b) in [("m", &ops.m, &host.m), ("v", &ops.v, &host.v)] {
+                for (part, (x, y)) in moment(a).iter().zip(&moment(b)).enumerate() {
+                    // Codes within one step, the rest within two f32 steps.
+                    let tolerance = if quantized && part == 0 {
+                        (0.0, 1.0)
+                    } else {
+                        (2.0 / 8388608.0, 0.0)
+                    };
+                    close(x, y, tolerance, &format!("{case} {which}{part}"));
+                }
+            }
+        }
+    }
+}

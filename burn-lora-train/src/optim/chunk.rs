@@ -5,7 +5,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, IntDType, Tensor, TensorData};
 
-use super::{AdamWConfig, BLOCK, CODE_POWER, MIN_8BIT_NUMEL, tensor_bytes};
+use super::{AdamWConfig, BLOCK, MIN_8BIT_NUMEL, tensor_bytes};
 use crate::config::OptimizerKind;
 
 /// One stored moment: f32 values, or 8-bit codes with a scale per block.
@@ -52,12 +52,15 @@ impl Which {
 
 impl<B: Backend> Moment<B> {
     /// Zeros for `len` values (a multiple of [`BLOCK`] when `quantized`).
+    /// (What [`Moment::quantize`] makes of zeros: codes 0, block scales 0.)
     pub fn zeros(len: usize, quantized: bool, which: Which, device: &B::Device) -> Self {
-        let values = Tensor::zeros([len], (device, DType::F32));
         if quantized {
-            Self::quantize(values, which)
+            Self::Q8 {
+                codes: Tensor::zeros([len], (device, DType::from(which.code_dtype()))),
+                absmax: Tensor::zeros([len / BLOCK], (device, DType::F32)),
+            }
         } else {
-            Self::F32(values)
+            Self::F32(Tensor::zeros([len], (device, DType::F32)))
         }
     }
 
@@ -74,7 +77,8 @@ impl<B: Backend> Moment<B> {
         let magnitude = y
             .clone()
             .abs()
-            .powf_scalar(1.0 / CODE_POWER)
+            .sqrt()
+            .sqrt()
             .mul_scalar(which.levels())
             .round();
         let q = match which {
@@ -98,11 +102,7 @@ impl<B: Backend> Moment<B> {
                     .clone()
                     .cast(FloatDType::F32)
                     .reshape([len / BLOCK, BLOCK]);
-                let y = q
-                    .clone()
-                    .abs()
-                    .div_scalar(which.levels())
-                    .powf_scalar(CODE_POWER);
+                let y = q.clone().abs().div_scalar(which.levels()).square().square();
                 let y = match which {
                     Which::First => q.sign() * y,
                     Which::Second => y,

@@ -2,8 +2,8 @@
 //! values on all cores, instead of a pass per tensor op on one. Each value goes through the
 //! operations [`Chunk::update`] applies with Burn's tensor ops, in the same order, each rounded
 //! to f32, and is rounded to its dtype to nearest even. Flex's tensor ops give the same values
-//! but for the last bit of a few: its casts to bf16 decide ties from the top bits only, and its
-//! vectorised division rounds some quotients the other way.
+//! but for the last bit of a few (its casts to bf16 decide ties from the top bits only, its
+//! vectorised division rounds some quotients the other way), which can move a code by one.
 
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData, bf16, f16};
@@ -11,6 +11,11 @@ use rayon::prelude::*;
 
 use super::chunk::{Chunk, Moment, UpdateStep};
 use super::{BLOCK, CODE_POWER, upload};
+
+const _: () = assert!(
+    CODE_POWER == 4.0,
+    "the host's code is written for the power 4"
+);
 
 /// Values per task of the f32-moment update.
 const SPAN: usize = 1 << 14;
@@ -202,6 +207,17 @@ fn update_typed<T: Value>(
     upload(TensorData::new(out, [len]), &device)
 }
 
+/// `x^4`, as the tensor ops compute the code's power.
+fn fourth_power(x: f32) -> f32 {
+    let square = x * x;
+    square * square
+}
+
+/// `x^(1/4)`, as the tensor ops compute the code's root.
+fn fourth_root(x: f32) -> f32 {
+    x.sqrt().sqrt()
+}
+
 /// Burn's `sign`.
 fn sign(x: f32) -> f32 {
     if x.is_nan() {
@@ -218,13 +234,13 @@ fn sign(x: f32) -> f32 {
 /// A first-moment value from its code and its block's absmax.
 fn decode_signed(code: i8, absmax: f32) -> f32 {
     let q = f32::from(code);
-    let y = (q.abs() / 127.0).powf(CODE_POWER as f32);
+    let y = fourth_power(q.abs() / 127.0);
     (sign(q) * y) * absmax
 }
 
 /// A second-moment value (`v`) from the code of `sqrt(v)` and its block's absmax.
 fn decode_unsigned(code: u8, absmax: f32) -> f32 {
-    let y = (f32::from(code) / 255.0).powf(CODE_POWER as f32);
+    let y = fourth_power(f32::from(code) / 255.0);
     let x = y * absmax;
     x * x
 }
@@ -237,7 +253,7 @@ fn encode_signed(values: &[f32; BLOCK], codes: &mut [i8]) -> f32 {
     let scale = absmax.max(f32::MIN_POSITIVE);
     for (code, &x) in codes.iter_mut().zip(values) {
         let y = x / scale;
-        let magnitude = (y.abs().powf((1.0 / CODE_POWER) as f32) * 127.0).round_ties_even();
+        let magnitude = (fourth_root(y.abs()) * 127.0).round_ties_even();
         *code = (sign(y) * magnitude) as i8;
     }
     absmax
@@ -251,7 +267,7 @@ fn encode_unsigned(values: &[f32; BLOCK], codes: &mut [u8]) -> f32 {
     let scale = absmax.max(f32::MIN_POSITIVE);
     for (code, &x) in codes.iter_mut().zip(values) {
         let y = x / scale;
-        let magnitude = (y.abs().powf((1.0 / CODE_POWER) as f32) * 255.0).round_ties_even();
+        let magnitude = (fourth_root(y.abs()) * 255.0).round_ties_even();
         let floor = if y > 0.0 { 1.0 } else { 0.0 };
         *code = magnitude.max(floor) as u8;
     }

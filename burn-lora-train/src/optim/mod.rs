@@ -22,7 +22,8 @@
 //! bitsandbytes' block-wise `AdamW8bit`. Instead of its "dynamic" 8-bit code map (a table of
 //! 256 values searched at quantization), the code is a power-law companding that plain Burn
 //! tensor ops compute and invert on any backend, with no table and no search:
-//! - first moment, signed: `q = round(127 · sign(y) · |y|^(1/4))` with `y = m / absmax`, in `i8`;
+//! - first moment, signed: `q = round(127 · sign(y) · |y|^(1/4))` with `y = m / absmax`, in `i8`
+//!   (the fourth root as two square roots, the fourth power as two squares);
 //! - second moment, through `w = sqrt(v)` (whose dynamic range is that of `|g|`, half the
 //!   exponent range of `v`), unsigned: `q = round(255 · y^(1/4))` with `y = w / absmax`, in `u8`,
 //!   and `q ≥ 1` whenever `w > 0`, so a small `v` never dequantizes to 0 (which would turn
@@ -62,7 +63,7 @@ mod host;
 use chunk::{Chunk, Moment, UpdateStep, Which, gather, member_values, plan_chunks};
 
 /// The 8-bit code stores `levels · y^(1 / CODE_POWER)` for a value at ratio `y` of its block's
-/// absmax.
+/// absmax (the root taken as two square roots, the power as two squares).
 pub const CODE_POWER: f64 = 4.0;
 
 /// Values per quantization block of the 8-bit moments.

@@ -26,7 +26,7 @@ use burn::backend::{Autodiff, Cuda, Flex};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData, module::linear};
-use burn_kernels::counters;
+use burn_kernels::{Kernels, counters};
 use burn_offload::Offload;
 use checks::{Precision, input, relative_error};
 use timing::{clock, time};
@@ -44,7 +44,10 @@ fn out<B: Backend, const D: usize>(name: &str, t: Tensor<B, D>) -> (String, Tens
 }
 
 /// Every checked output, computed on `B` (products, then gradients through autodiff).
-fn cases<B: AutodiffBackend>(dtype: Precision, device: &B::Device) -> Vec<(String, TensorData)> {
+fn cases<B: AutodiffBackend + Kernels>(
+    dtype: Precision,
+    device: &B::Device,
+) -> Vec<(String, TensorData)> {
     let mut outs = Vec::new();
     let a = input::<B, 2>([513, 769], 1, dtype, device);
     let b = input::<B, 2>([769, 257], 2, dtype, device);
@@ -78,6 +81,23 @@ fn cases<B: AutodiffBackend>(dtype: Precision, device: &B::Device) -> Vec<(Strin
     outs.push(out("linear x gradient", x.grad(&grads).unwrap()));
     outs.push(out("linear weight gradient", w.grad(&grads).unwrap()));
     outs.push(out("linear bias gradient", bias.grad(&grads).unwrap()));
+
+    // A LoRA layer: the up factor's product accumulated into the base's output (scaled), and
+    // the gradients of every operand.
+    let x = input::<B, 3>([2, 65, 130], 18, dtype, device).require_grad();
+    let w = input::<B, 2>([130, 70], 19, dtype, device).require_grad();
+    let down = input::<B, 2>([130, 8], 20, dtype, device).require_grad();
+    let up = input::<B, 2>([8, 70], 21, dtype, device).require_grad();
+    let y = linear(x.clone(), w.clone(), None);
+    let h = burn_kernels::linear(x.clone(), down.clone(), None);
+    let lora = burn_kernels::linear_add(h, up.clone(), y, 0.5);
+    let r = input::<B, 3>([2, 65, 70], 22, dtype, device);
+    let grads = (lora.clone() * r).sum().backward();
+    outs.push(out("LoRA forward", lora));
+    outs.push(out("LoRA x gradient", x.grad(&grads).unwrap()));
+    outs.push(out("LoRA base gradient", w.grad(&grads).unwrap()));
+    outs.push(out("LoRA down gradient", down.grad(&grads).unwrap()));
+    outs.push(out("LoRA up gradient", up.grad(&grads).unwrap()));
 
     // Attention as explicit products (kᵀ a transposed view), and its gradients.
     let q = input::<B, 4>([2, 3, 77, 64], 14, dtype, device).require_grad();
@@ -166,11 +186,14 @@ fn main() {
             compute: dtype,
         };
         eprintln!("[{:7.1} s] {dtype:?} through cuBLAS", clock());
-        let before = counters().blas_products;
+        let before = counters();
         let routed = cases::<Autodiff<Routed>>(precision, &device);
-        let products = counters().blas_products - before;
+        let after = counters().since(before);
+        let (products, accumulated) = (after.blas_products, after.blas_accumulated);
         eprintln!("[{:7.1} s] {dtype:?} through Burn's kernels", clock());
+        let before = counters();
         let plain = cases::<Autodiff<Cuda>>(precision, &device);
+        let plain_products = counters().since(before).blas_products;
         eprintln!("[{:7.1} s] {dtype:?} inputs in float64 on the CPU", clock());
         let reference = cases::<Autodiff<Flex>>(
             Precision {
@@ -179,11 +202,14 @@ fn main() {
             },
             &Default::default(),
         );
-        // The cases hold 14 products (5 matmuls, 3 for the linear layer, 6 for attention):
-        // fewer means some fell back to Burn.
-        if products < 14 || counters().blas_products != before + products {
+        // The cases hold 23 products (5 matmuls, 3 for the linear layer, 9 for the LoRA layer,
+        // 6 for attention), one of them accumulated: fewer means some fell back to Burn. On
+        // Burn's backend only the entry points of burn-kernels reach cuBLAS: the LoRA layer's
+        // down factor and its accumulated up factor, forward and backward (6 products).
+        if products < 23 || accumulated != 1 || plain_products > 6 {
             eprintln!(
-                "{products} products went through cuBLAS: the route was not taken \
+                "{products} products went through cuBLAS, {accumulated} accumulated, \
+                 {plain_products} on Burn's backend: the route was not taken as planned \
                  (is BURNLORA_KERNELS__BLAS=all set?)"
             );
             failed = true;

@@ -3,6 +3,7 @@
 //! backward.
 
 use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -89,6 +90,56 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         )
     }
 
+    /// The product accumulated into `addend` as one op: the output's gradient is `addend`'s,
+    /// and, scaled by `alpha`, goes through both gradient products as in
+    /// [`blas_linear`](Kernels::blas_linear).
+    fn blas_linear_add(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        addend: FloatTensor<Self>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
+        let mut addend = addend;
+        let out = match B::blas_matmul_add(
+            &x.primitive,
+            &weight.primitive,
+            addend.primitive,
+            alpha,
+            options,
+        ) {
+            Ok(out) => out,
+            Err(primitive) => {
+                addend.primitive = primitive;
+                return Err(addend);
+            }
+        };
+        let node = addend.node;
+        let prepared = <LinearAddBackward as Backward<B, 3>>::prepare::<C>;
+        Ok(
+            match prepared(
+                LinearAddBackward,
+                [x.node.clone(), weight.node.clone(), node],
+            )
+            .compute_bound()
+            .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    (
+                        LinearState {
+                            x: x.primitive.clone(),
+                            weight: weight.primitive.clone(),
+                            options: *options,
+                        },
+                        alpha,
+                    ),
+                    out,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+
     /// Declined when the scale or the tables need gradients: the fused op gives only `x` one.
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
         let NormRope {
@@ -146,16 +197,54 @@ impl<B: FusedOps> Backward<B, 2> for LinearBackward {
         _checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let LinearState { x, weight, options } = ops.state;
-        let [x_node, weight_node] = ops.parents;
-        if let Some(node) = weight_node {
-            let dw = products::linear_weight_backward::<B>(x, grad.clone(), &options);
-            grads.register::<B>(node.id, dw);
+        let ids = ops.parents.map(|parent| parent.map(|node| node.id));
+        linear_backward::<B>(ops.state, ids, grad, grads);
+    }
+}
+
+/// The gradients of `x` and `weight` in `x · weight` given the product's gradient `grad`.
+fn linear_backward<B: FusedOps>(
+    state: LinearState<B>,
+    [x_node, weight_node]: [Option<NodeId>; 2],
+    grad: FloatTensor<B>,
+    grads: &mut Gradients,
+) {
+    let LinearState { x, weight, options } = state;
+    if let Some(id) = weight_node {
+        let dw = products::linear_weight_backward::<B>(x, grad.clone(), &options);
+        grads.register::<B>(id, dw);
+    }
+    if let Some(id) = x_node {
+        let dx = products::linear_x_backward::<B>(weight, grad, &options);
+        grads.register::<B>(id, dx);
+    }
+}
+
+#[derive(Debug)]
+struct LinearAddBackward;
+
+impl<B: FusedOps> Backward<B, 3> for LinearAddBackward {
+    /// The product's operands and `alpha`.
+    type State = (LinearState<B>, f32);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (state, alpha) = ops.state;
+        let [x_id, weight_id, addend_id] = ops.parents.map(|parent| parent.map(|node| node.id));
+        if let Some(id) = addend_id {
+            grads.register::<B>(id, grad.clone());
         }
-        if let Some(node) = x_node {
-            let dx = products::linear_x_backward::<B>(weight, grad, &options);
-            grads.register::<B>(node.id, dx);
-        }
+        let grad = if alpha == 1.0 {
+            grad
+        } else {
+            B::float_mul_scalar(grad, alpha.into())
+        };
+        linear_backward::<B>(state, [x_id, weight_id], grad, grads);
     }
 }
 

@@ -12,6 +12,9 @@ pub struct KernelCounters {
     pub fused_elementwise: u64,
     /// Matrix products the vendor BLAS computed (forward and backward).
     pub blas_products: u64,
+    /// Of those, products the BLAS accumulated into a tensor they are added to
+    /// ([`linear_add`](crate::linear_add)).
+    pub blas_accumulated: u64,
     /// Convolutions the vendor DNN library computed.
     pub dnn_convolutions: u64,
     /// Calls whose fast path failed and that ran the separate ops instead.
@@ -25,6 +28,7 @@ impl KernelCounters {
             fused_attention: self.fused_attention - earlier.fused_attention,
             fused_elementwise: self.fused_elementwise - earlier.fused_elementwise,
             blas_products: self.blas_products - earlier.blas_products,
+            blas_accumulated: self.blas_accumulated - earlier.blas_accumulated,
             dnn_convolutions: self.dnn_convolutions - earlier.dnn_convolutions,
             fallbacks: self.fallbacks - earlier.fallbacks,
         }
@@ -37,6 +41,7 @@ thread_local! {
             fused_attention: 0,
             fused_elementwise: 0,
             blas_products: 0,
+            blas_accumulated: 0,
             dnn_convolutions: 0,
             fallbacks: 0,
         })
@@ -66,6 +71,13 @@ pub(crate) fn count_elementwise() {
 
 pub(crate) fn count_blas_product() {
     bump(|c| c.blas_products += 1);
+}
+
+pub(crate) fn count_blas_accumulated() {
+    bump(|c| {
+        c.blas_products += 1;
+        c.blas_accumulated += 1;
+    });
 }
 
 pub(crate) fn count_dnn_convolution() {

@@ -125,6 +125,21 @@ pub trait FusedOps: Backend {
         None
     }
 
+    /// `alpha · lhs · rhs + addend` (`addend` of the product's shape and dtype) computed by the
+    /// vendor BLAS into `addend`'s own memory, so that the sum costs no pass of its own;
+    /// `Err(addend)`, untouched, where [`blas_matmul`](Self::blas_matmul) would decline, or
+    /// `addend`'s memory is shared or not laid out as the product's.
+    fn blas_matmul_add(
+        lhs: &FloatTensor<Self>,
+        rhs: &FloatTensor<Self>,
+        addend: FloatTensor<Self>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
+        let _ = (lhs, rhs, alpha, options);
+        Err(addend)
+    }
+
     /// The 2-D convolution of `x` (`[batch, channels, height, width]`) with `weight` under
     /// `conv`, without bias, as `conv2d` computes it, by the device's vendor DNN library; `None`
     /// where the backend has none, the options leave products to Burn (`blas: off`), or the

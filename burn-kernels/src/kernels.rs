@@ -1,8 +1,8 @@
 //! [`Kernels`], the bound model code puts on its backend, and the entry points it calls:
 //! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm_rope`] return the fused result, or
 //! `None` where the backend, the operands or the installed [`KernelOptions`] leave the op to
-//! separate ops, which the caller then writes out; [`linear`] runs Burn's linear where the
-//! vendor BLAS does not take the product.
+//! separate ops, which the caller then writes out; [`linear`] and [`linear_add`] run Burn's
+//! linear where the vendor BLAS does not take the product.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -41,6 +41,16 @@ pub trait Kernels: Backend {
         weight: &FloatTensor<Self>,
         options: &KernelOptions,
     ) -> Option<FloatTensor<Self>>;
+
+    /// `alpha · x · weight + addend` through the vendor BLAS, written into `addend`'s memory,
+    /// its gradients too; `Err(addend)` where the BLAS does not take it.
+    fn blas_linear_add(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        addend: FloatTensor<Self>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<FloatTensor<Self>, FloatTensor<Self>>;
 }
 
 impl<B: FusedOps> Kernels for B {
@@ -72,6 +82,16 @@ impl<B: FusedOps> Kernels for B {
         options: &KernelOptions,
     ) -> Option<FloatTensor<Self>> {
         B::blas_matmul(x, weight, options)
+    }
+
+    fn blas_linear_add(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        addend: FloatTensor<Self>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
+        B::blas_matmul_add(x, weight, addend, alpha, options)
     }
 }
 
@@ -195,5 +215,41 @@ pub fn linear<B: Kernels, const D: usize>(
     match bias {
         Some(bias) => out + bias.unsqueeze(),
         None => out,
+    }
+}
+
+/// `addend + alpha · (x · weight)` (weight `[d_input, d_output]`, Burn's layout; `addend` of
+/// the product's shape): the vendor BLAS accumulates the product into `addend`'s memory where
+/// the backend has one, the options route products there, the layouts fit and nothing else
+/// holds `addend` (a LoRA's update added to the base layer's output without a pass of its own);
+/// else [`linear`], [`Tensor::mul_scalar`] and the sum, as separate ops.
+pub fn linear_add<B: Kernels, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    addend: Tensor<B, D>,
+    alpha: f64,
+) -> Tensor<B, D> {
+    let options = KernelOptions::current();
+    let addend = addend.into_primitive().tensor();
+    match <B as Kernels>::blas_linear_add(
+        &primitive(&x),
+        &primitive(&weight),
+        addend,
+        alpha as f32,
+        &options,
+    ) {
+        Ok(out) => {
+            counters::count_blas_accumulated();
+            tensor(out)
+        }
+        Err(addend) => {
+            let product = linear(x, weight, None);
+            let product = if alpha == 1.0 {
+                product
+            } else {
+                product.mul_scalar(alpha)
+            };
+            tensor::<B, D>(addend) + product
+        }
     }
 }

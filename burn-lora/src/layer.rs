@@ -206,7 +206,9 @@ fn add_branch<B: Backend, const D: usize>(
 impl<B: Kernels> Adapted<B, Linear<B>> {
     /// Applies the layer: the base's product through [`burn_kernels::linear`] (the vendor
     /// BLAS where the backend has one, else exactly `nn::Linear::forward`), plus the adapter's
-    /// update.
+    /// update; a LoRA's up factor accumulates its product into the base's output
+    /// ([`burn_kernels::linear_add`]), which on a backend without BLAS is the same sum as
+    /// separate ops.
     ///
     /// # Shapes
     ///
@@ -217,8 +219,15 @@ impl<B: Kernels> Adapted<B, Linear<B>> {
             return self.base_forward(input);
         };
         let y = self.base_forward(input.clone());
-        let d = adapter.linear_update(adapter.input(input));
-        add_branch(y, d, factor)
+        let x = adapter.input(input);
+        match adapter.lora_factors() {
+            // The update accumulated into the base's output by the up factor's product.
+            Some((down, up)) if up.dtype() == y.dtype() => {
+                let h = burn_kernels::linear(x, down.transpose(), None);
+                burn_kernels::linear_add(h, up.transpose(), y, factor)
+            }
+            _ => add_branch(y, adapter.linear_update(x), factor),
+        }
     }
 }
 

@@ -146,6 +146,14 @@ impl<B: StreamTarget> OffloadTensor<B> {
         }
     }
 
+    /// The tensor on the device, or `Err(self)` for a streamed weight.
+    pub fn try_into_inner(self) -> Result<B::FloatTensorPrimitive, Self> {
+        match self.repr {
+            Repr::Device(t) => Ok(t),
+            repr => Err(Self { repr }),
+        }
+    }
+
     /// Whether this is a streamed weight rather than a tensor on the device.
     pub fn is_streamed(&self) -> bool {
         matches!(self.repr, Repr::Streamed(_))

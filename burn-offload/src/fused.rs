@@ -93,6 +93,23 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         B::blas_matmul(inner(lhs)?, inner(rhs)?, options).map(outer)
     }
 
+    /// Declined for a streamed operand, as [`blas_matmul`](FusedOps::blas_matmul).
+    fn blas_matmul_add(
+        lhs: &FloatTensor<Self>,
+        rhs: &FloatTensor<Self>,
+        addend: FloatTensor<Self>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
+        let (Some(lhs), Some(rhs)) = (inner(lhs), inner(rhs)) else {
+            return Err(addend);
+        };
+        let addend = addend.try_into_inner()?;
+        B::blas_matmul_add(lhs, rhs, addend, alpha, options)
+            .map(outer)
+            .map_err(outer)
+    }
+
     fn dnn_conv2d(
         x: &FloatTensor<Self>,
         weight: &FloatTensor<Self>,

@@ -58,12 +58,13 @@ impl Blas {
         Ok(Self { stream, handle })
     }
 
-    /// Queues `plan` on the cuBLAS stream.
+    /// Queues `plan` on the cuBLAS stream: `C ← alpha · op(A) · op(B) + beta · C`.
     fn gemm(
         &self,
         plan: &GemmPlan,
         [a, b, c]: [u64; 3],
         dtype: cudaDataType,
+        (alpha, beta): (f32, f32),
     ) -> Result<(), KernelError> {
         let op = |operand: &Operand| {
             if operand.transpose {
@@ -72,7 +73,6 @@ impl Blas {
                 cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
         // Checked by `plan`: every size fits in an i32.
         let int = |v: usize| v as i32;
         // SAFETY: `a`, `b` and `c` are live Burn buffers holding the extents `plan` describes
@@ -158,15 +158,7 @@ pub(crate) fn matmul(
         address(client, &lhs.handle)?,
         address(client, &out)?,
     ];
-    let done = SideContext::of(&lhs.device).and_then(|side| {
-        let blas = side.blas()?;
-        let blas = blas.lock().unwrap();
-        ordered(client, &side, &blas.stream, options.order, || {
-            blas.gemm(&plan, addresses, dtype)
-        })
-    });
-    if let Err(error) = done {
-        fell_back("cuBLAS product", &error);
+    if !run(&lhs, &plan, addresses, dtype, (1.0, 0.0), options) {
         return None;
     }
     Some(CubeTensor::new_contiguous(
@@ -176,4 +168,72 @@ pub(crate) fn matmul(
         out,
         lhs.dtype,
     ))
+}
+
+/// Runs `plan` on the cuBLAS stream in its place in CubeCL's order; `false` (logged) when it
+/// could not.
+fn run(
+    lhs: &CubeTensor<CudaRuntime>,
+    plan: &GemmPlan,
+    addresses: [u64; 3],
+    dtype: cudaDataType,
+    scales: (f32, f32),
+    options: &KernelOptions,
+) -> bool {
+    let done = SideContext::of(&lhs.device).and_then(|side| {
+        let blas = side.blas()?;
+        let blas = blas.lock().unwrap();
+        ordered(&lhs.client, &side, &blas.stream, options.order, || {
+            blas.gemm(plan, addresses, dtype, scales)
+        })
+    });
+    if let Err(error) = done {
+        fell_back("cuBLAS product", &error);
+        return false;
+    }
+    true
+}
+
+/// `alpha · lhs · rhs + addend` through cuBLAS, written into `addend`'s memory (`beta = 1`);
+/// `Err(addend)` where [`matmul`] would decline without copying an operand, `addend` is not a
+/// contiguous tensor of the product's shape and dtype, or something else holds its memory.
+pub(crate) fn matmul_add(
+    lhs: &CubeTensor<CudaRuntime>,
+    rhs: &CubeTensor<CudaRuntime>,
+    addend: CubeTensor<CudaRuntime>,
+    alpha: f32,
+    options: &KernelOptions,
+) -> Result<CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>> {
+    if options.blas == BlasRoute::Off
+        || lhs.dtype != rhs.dtype
+        || addend.dtype != lhs.dtype
+        || lhs.qparams.is_some()
+        || !addend.can_mut()
+        || !addend.is_contiguous()
+    {
+        return Err(addend);
+    }
+    let Some(dtype) = data_type(lhs.dtype) else {
+        return Err(addend);
+    };
+    let Some(plan) = plan(layout(lhs), layout(rhs)) else {
+        return Err(addend);
+    };
+    if !routed(&plan, options) || addend.meta.shape().as_slice() != plan.out_shape.as_slice() {
+        return Err(addend);
+    }
+    let client = &lhs.client;
+    let Some(addresses) = (|| {
+        Some([
+            address(client, &rhs.handle)?,
+            address(client, &lhs.handle)?,
+            address(client, &addend.handle)?,
+        ])
+    })() else {
+        return Err(addend);
+    };
+    if !run(lhs, &plan, addresses, dtype, (alpha, 1.0), options) {
+        return Err(addend);
+    }
+    Ok(addend)
 }

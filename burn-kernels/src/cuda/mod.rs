@@ -221,6 +221,16 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         blas::matmul(lhs, rhs, options)
     }
 
+    fn blas_matmul_add(
+        lhs: &CubeTensor<CudaRuntime>,
+        rhs: &CubeTensor<CudaRuntime>,
+        addend: CubeTensor<CudaRuntime>,
+        alpha: f32,
+        options: &KernelOptions,
+    ) -> Result<CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>> {
+        blas::matmul_add(lhs, rhs, addend, alpha, options)
+    }
+
     fn dnn_conv2d(
         x: &CubeTensor<CudaRuntime>,
         weight: &CubeTensor<CudaRuntime>,

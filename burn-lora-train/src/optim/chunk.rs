@@ -215,7 +215,8 @@ pub fn gather<B: Backend>(
             continue;
         };
         let base = flat.unwrap_or_else(|| Tensor::zeros([len], (&values.device(), dtype)));
-        flat = Some(base.slice_assign([member.offset..member.offset + member.numel], values));
+        let range = member.offset..member.offset + member.numel;
+        flat = Some(base.slice_assign(range, values));
     }
     flat
 }

@@ -231,6 +231,10 @@ fn upload<B: Backend, K: burn::tensor::BasicOps<B>>(
 /// chunk's f32 temporaries stay within 64 MiB each.
 pub const CHUNK: usize = 1 << 24;
 
+/// Bytes of updated parameters that a step uploads before they replace the old ones in the
+/// module (the old ones are then freed): what the update holds twice at most.
+const SWAP_BYTES: usize = 1 << 30;
+
 /// A parameter the optimizer sees, in the module's visiting order.
 struct Entry<B: Backend> {
     path: String,
@@ -276,6 +280,8 @@ pub struct AdamW<B: Backend, P: StatePlacement<B> = OnDevice> {
     chunks: Vec<Chunk<P::State>>,
     /// Values per chunk at most ([`CHUNK`]).
     chunk_values: usize,
+    /// Bytes of new values uploaded before they replace the old ones (`SWAP_BYTES`).
+    swap_bytes: usize,
     placement: PhantomData<P>,
 }
 
@@ -393,6 +399,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             steps: 0,
             chunks: Vec::new(),
             chunk_values: CHUNK,
+            swap_bytes: SWAP_BYTES,
             placement: PhantomData,
         }
     }
@@ -529,27 +536,34 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             None => 1.0,
         };
         self.steps += 1;
-        let mut values = BTreeMap::new();
         let step = UpdateStep {
             config: self.config,
             t: self.steps,
             lr,
             grad_scale,
         };
-        for (chunk, g) in self.chunks.iter_mut().zip(flat_grads) {
-            let Some(g) = g else {
-                continue;
-            };
-            let out = P::update(chunk, &step, g);
-            let out = P::to_model(out, &model_device);
-            for member in &chunk.members {
-                values.insert(member.path.clone(), member_values(&out, member));
+        // New values replace the old ones in the module every `swap_bytes`, so that the old
+        // ones are freed on the way, not all kept beside the new until the end.
+        let mut module = module;
+        let mut values = BTreeMap::new();
+        let mut pending = 0;
+        let chunks = self.chunks.len();
+        for (i, (chunk, g)) in self.chunks.iter_mut().zip(flat_grads).enumerate() {
+            if let Some(g) = g {
+                let out = P::to_model(P::update(chunk, &step, g), &model_device);
+                for member in &chunk.members {
+                    values.insert(member.path.clone(), member_values(&out, member));
+                }
+                pending += tensor_bytes(chunk.len, chunk.dtype);
+            }
+            if pending >= self.swap_bytes || (i + 1 == chunks && !values.is_empty()) {
+                module = module.map(&mut SetValues::<B> {
+                    path: PathStack::default(),
+                    values: std::mem::take(&mut values),
+                });
+                pending = 0;
             }
         }
-        let module = module.map(&mut SetValues::<B> {
-            path: PathStack::default(),
-            values,
-        });
         (
             module,
             StepReport {
@@ -1008,8 +1022,10 @@ mod tests {
                 optimizer.chunk_values = chunk_values;
                 optimizer
             };
-            // One parameter per chunk against every parameter of a format in one chunk.
+            // One parameter per chunk, each swapped into the module on its own, against every
+            // parameter of a format in one chunk.
             let mut each = optimizer(1);
+            each.swap_bytes = 1;
             let net_each = train(net(), &mut each, 3);
             let mut together = optimizer(CHUNK);
             let net_together = train(net(), &mut together, 3);

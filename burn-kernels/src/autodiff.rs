@@ -77,14 +77,9 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
                 .compute_bound()
                 .stateful()
             {
-                OpsKind::Tracked(prep) => prep.finish(
-                    LinearState {
-                        x: x.primitive.clone(),
-                        weight: weight.primitive.clone(),
-                        options: *options,
-                    },
-                    out,
-                ),
+                OpsKind::Tracked(prep) => {
+                    prep.finish(LinearState::of::<C>(x, weight, options), out)
+                }
                 OpsKind::UnTracked(prep) => prep.finish(out),
             },
         )
@@ -124,17 +119,9 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
             .compute_bound()
             .stateful()
             {
-                OpsKind::Tracked(prep) => prep.finish(
-                    (
-                        LinearState {
-                            x: x.primitive.clone(),
-                            weight: weight.primitive.clone(),
-                            options: *options,
-                        },
-                        alpha,
-                    ),
-                    out,
-                ),
+                OpsKind::Tracked(prep) => {
+                    prep.finish((LinearState::of::<C>(x, weight, options), alpha), out)
+                }
                 OpsKind::UnTracked(prep) => prep.finish(out),
             },
         )
@@ -182,6 +169,21 @@ struct LinearState<B: FusedOps> {
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     options: KernelOptions,
+}
+
+impl<B: FusedOps> LinearState<B> {
+    /// The operands of `x · weight` under autodiff, kept for the backward pass.
+    fn of<C: CheckpointStrategy>(
+        x: &FloatTensor<Autodiff<B, C>>,
+        weight: &FloatTensor<Autodiff<B, C>>,
+        options: &KernelOptions,
+    ) -> Self {
+        Self {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            options: *options,
+        }
+    }
 }
 
 #[derive(Debug)]

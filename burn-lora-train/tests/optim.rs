@@ -314,27 +314,7 @@ fn fingerprint<P: StatePlacement<Flex>>(out: &Outcome<P>) -> Vec<(String, Vec<f6
         ("bias".to_string(), values(out.model.bias.val())),
     ];
     for (key, data) in out.optimizer.to_tensors(&out.model) {
-        let numbers = match data.dtype {
-            DType::I8 => data
-                .to_vec::<i8>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-            DType::U8 => data
-                .to_vec::<u8>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-            _ => data
-                .to_vec::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-        };
-        all.push((key, numbers));
+        all.push((key, data.convert::<f64>().to_vec().unwrap()));
     }
     all
 }

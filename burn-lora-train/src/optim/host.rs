@@ -245,33 +245,37 @@ fn decode_unsigned(code: u8, absmax: f32) -> f32 {
     x * x
 }
 
-/// The block's absmax, and its codes (`q = round(127 · sign(y) · |y|^(1/4))`) in `codes`.
-fn encode_signed(values: &[f32; BLOCK], codes: &mut [i8]) -> f32 {
+/// The block's absmax, and its codes in `codes`: `code(y, round(levels · |y|^(1/4)))` for each
+/// value at ratio `y` of the absmax.
+fn encode<T>(
+    values: &[f32; BLOCK],
+    levels: f32,
+    codes: &mut [T],
+    code: impl Fn(f32, f32) -> T,
+) -> f32 {
     let absmax = values
         .iter()
         .fold(f32::NEG_INFINITY, |a, &x| a.max(x.abs()));
     let scale = absmax.max(f32::MIN_POSITIVE);
-    for (code, &x) in codes.iter_mut().zip(values) {
+    for (c, &x) in codes.iter_mut().zip(values) {
         let y = x / scale;
-        let magnitude = (fourth_root(y.abs()) * 127.0).round_ties_even();
-        *code = (sign(y) * magnitude) as i8;
+        *c = code(y, (fourth_root(y.abs()) * levels).round_ties_even());
     }
     absmax
 }
 
-/// The block's absmax, and its codes (`q = round(255 · y^(1/4))`, at least 1 for `y > 0`).
+/// [`encode`] of the first moment: `q = round(127 · sign(y) · |y|^(1/4))`.
+fn encode_signed(values: &[f32; BLOCK], codes: &mut [i8]) -> f32 {
+    encode(values, 127.0, codes, |y, magnitude| {
+        (sign(y) * magnitude) as i8
+    })
+}
+
+/// [`encode`] of `sqrt(v)`: `q = round(255 · y^(1/4))`, at least 1 for `y > 0`.
 fn encode_unsigned(values: &[f32; BLOCK], codes: &mut [u8]) -> f32 {
-    let absmax = values
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &x| a.max(x.abs()));
-    let scale = absmax.max(f32::MIN_POSITIVE);
-    for (code, &x) in codes.iter_mut().zip(values) {
-        let y = x / scale;
-        let magnitude = (fourth_root(y.abs()) * 255.0).round_ties_even();
-        let floor = if y > 0.0 { 1.0 } else { 0.0 };
-        *code = magnitude.max(floor) as u8;
-    }
-    absmax
+    encode(values, 255.0, codes, |y, magnitude| {
+        magnitude.max(if y > 0.0 { 1.0 } else { 0.0 }) as u8
+    })
 }
 
 #[cfg(test)]
@@ -318,27 +322,7 @@ mod tests {
 
     /// The values of a tensor of any dtype, as f64.
     fn numbers(data: TensorData) -> Vec<f64> {
-        match data.dtype {
-            DType::I8 => data
-                .to_vec::<i8>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-            DType::U8 => data
-                .to_vec::<u8>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-            _ => data
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-        }
+        data.convert::<f64>().to_vec().unwrap()
     }
 
     fn moment(moment: &Moment<Flex>) -> Vec<Vec<f64>> {

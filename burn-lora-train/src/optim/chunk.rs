@@ -11,9 +11,13 @@ use crate::config::OptimizerKind;
 /// One stored moment: f32 values, or 8-bit codes with a scale per block.
 #[derive(Clone, Debug)]
 pub enum Moment<B: Backend> {
+    /// The values.
     F32(Tensor<B, 1>),
+    /// Codes, and each block's largest magnitude.
     Q8 {
+        /// One code per value.
         codes: Tensor<B, 1, Int>,
+        /// One scale per block of [`BLOCK`] values.
         absmax: Tensor<B, 1>,
     },
 }
@@ -28,6 +32,7 @@ pub enum Which {
 }
 
 impl Which {
+    /// The largest code's magnitude.
     pub fn levels(self) -> f64 {
         match self {
             Which::First => 127.0,
@@ -35,6 +40,7 @@ impl Which {
         }
     }
 
+    /// The codes' dtype.
     pub fn code_dtype(self) -> IntDType {
         match self {
             Which::First => IntDType::I8,
@@ -42,6 +48,7 @@ impl Which {
         }
     }
 
+    /// The key suffix of the saved moment.
     pub fn name(self) -> &'static str {
         match self {
             Which::First => "m",
@@ -51,8 +58,8 @@ impl Which {
 }
 
 impl<B: Backend> Moment<B> {
-    /// Zeros for `len` values (a multiple of [`BLOCK`] when `quantized`).
-    /// (What [`Moment::quantize`] makes of zeros: codes 0, block scales 0.)
+    /// Zeros for `len` values (a multiple of [`BLOCK`] when `quantized`): what
+    /// [`Moment::quantize`] makes of zeros, codes 0 and block scales 0.
     pub fn zeros(len: usize, quantized: bool, which: Which, device: &B::Device) -> Self {
         if quantized {
             Self::Q8 {
@@ -127,6 +134,7 @@ impl<B: Backend> Moment<B> {
         }
     }
 
+    /// Bytes held.
     pub fn bytes(&self) -> usize {
         match self {
             Self::F32(values) => tensor_bytes(values.dims()[0], values.dtype()),
@@ -159,9 +167,13 @@ pub struct Chunk<B: Backend> {
     pub dtype: DType,
     /// Whether the moments are 8-bit.
     pub quantized: bool,
+    /// The parameters, in order.
     pub members: Vec<Member>,
+    /// Values in each flat tensor of the chunk.
     pub len: usize,
+    /// The first moment.
     pub m: Moment<B>,
+    /// The second moment.
     pub v: Moment<B>,
     /// The f32 values of the members: for 16-bit parameters the master copy they are rounded
     /// from, for f32 parameters the very values they hold.

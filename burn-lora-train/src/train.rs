@@ -317,7 +317,7 @@ where
                 config_fingerprint: plan.resume_fingerprint(),
                 extra: serde_json::json!({ "loss": loss }),
                 optimizer_steps: optimizer.steps(),
-                optimizer: optimizer.to_tensors(&flux),
+                optimizer: optimizer.to_tensors(),
             };
             let set = burn_lora::export(
                 &flux,

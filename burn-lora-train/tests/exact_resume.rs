@@ -205,7 +205,7 @@ fn fingerprint(run: &Run) -> Vec<(String, Vec<u8>)> {
         .collect();
     out.extend(
         run.optimizer
-            .to_tensors(&run.model)
+            .to_tensors()
             .into_iter()
             .map(|(k, d)| (format!("optimizer/{k}"), d.as_bytes().to_vec())),
     );
@@ -222,7 +222,7 @@ fn save_checkpoint(run: &Run, dir: &RunDir) {
         config_fingerprint: "stand-in".into(),
         extra: serde_json::Value::Null,
         optimizer_steps: run.optimizer.steps(),
-        optimizer: run.optimizer.to_tensors(&run.model),
+        optimizer: run.optimizer.to_tensors(),
     };
     let set = burn_lora::export(&run.model, LoraMetadata::default());
     let options = SaveOptions {

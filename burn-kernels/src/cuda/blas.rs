@@ -11,7 +11,9 @@ use std::sync::Arc;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
+use cubecl::server::Handle;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasHandle_t, cublasOperation_t, cudaDataType,
@@ -153,11 +155,7 @@ pub(crate) fn matmul(
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());
     let out = client.empty(out_shape.num_elements() * lhs.dtype.size());
-    let addresses = [
-        address(client, &rhs.handle)?,
-        address(client, &lhs.handle)?,
-        address(client, &out)?,
-    ];
+    let addresses = addresses(client, [&rhs.handle, &lhs.handle, &out])?;
     if !run(&lhs, &plan, addresses, dtype, (1.0, 0.0), options) {
         return None;
     }
@@ -168,6 +166,12 @@ pub(crate) fn matmul(
         out,
         lhs.dtype,
     ))
+}
+
+/// The device addresses of a product's `[A, B, C]` buffers.
+fn addresses(client: &ComputeClient<CudaRuntime>, handles: [&Handle; 3]) -> Option<[u64; 3]> {
+    let [a, b, c] = handles.map(|h| address(client, h));
+    Some([a?, b?, c?])
 }
 
 /// Runs `plan` on the cuBLAS stream in its place in CubeCL's order; `false` (logged) when it
@@ -222,14 +226,7 @@ pub(crate) fn matmul_add(
     if !routed(&plan, options) || addend.meta.shape().as_slice() != plan.out_shape.as_slice() {
         return Err(addend);
     }
-    let client = &lhs.client;
-    let Some(addresses) = (|| {
-        Some([
-            address(client, &rhs.handle)?,
-            address(client, &lhs.handle)?,
-            address(client, &addend.handle)?,
-        ])
-    })() else {
+    let Some(addresses) = addresses(&lhs.client, [&rhs.handle, &lhs.handle, &addend.handle]) else {
         return Err(addend);
     };
     if !run(lhs, &plan, addresses, dtype, (alpha, 1.0), options) {

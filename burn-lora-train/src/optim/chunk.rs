@@ -134,6 +134,22 @@ impl<B: Backend> Moment<B> {
         }
     }
 
+    /// The values of one member (for 8-bit moments, its whole blocks).
+    pub fn member(&self, member: &Member) -> Self {
+        match self {
+            Self::F32(values) => Self::F32(member_values(values, member)),
+            Self::Q8 { codes, absmax } => {
+                let span = member.span(true);
+                Self::Q8 {
+                    codes: codes.clone().narrow(0, member.offset, span),
+                    absmax: absmax
+                        .clone()
+                        .narrow(0, member.offset / BLOCK, span / BLOCK),
+                }
+            }
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         match self {
@@ -155,6 +171,22 @@ pub struct Member {
     pub numel: usize,
     /// Where its values start in the chunk.
     pub offset: usize,
+}
+
+impl Member {
+    /// The values it takes in its chunk: its own, padded to whole blocks when `quantized`.
+    pub fn span(&self, quantized: bool) -> usize {
+        span(self.numel, quantized)
+    }
+}
+
+/// `numel` values padded to whole blocks when `quantized`.
+fn span(numel: usize, quantized: bool) -> usize {
+    if quantized {
+        numel.div_ceil(BLOCK) * BLOCK
+    } else {
+        numel
+    }
 }
 
 /// Consecutive parameters of one dtype and moment format, updated together as one flat
@@ -191,11 +223,7 @@ pub fn plan_chunks(
     let mut chunks: Vec<(DType, bool, Vec<Member>, usize)> = Vec::new();
     for (path, dtype, numel) in entries {
         let quantized = kind == OptimizerKind::AdamW8bit && *numel >= MIN_8BIT_NUMEL;
-        let padded = if quantized {
-            numel.div_ceil(BLOCK) * BLOCK
-        } else {
-            *numel
-        };
+        let padded = span(*numel, quantized);
         let fits = chunks.last().is_some_and(|(d, q, _, len)| {
             d == dtype && *q == quantized && len + padded <= chunk_values
         });
@@ -236,22 +264,6 @@ pub fn gather<B: Backend>(
 /// The member's values of the chunk's flat tensor.
 pub fn member_values<B: Backend>(flat: &Tensor<B, 1>, member: &Member) -> Tensor<B, 1> {
     flat.clone().narrow(0, member.offset, member.numel)
-}
-
-impl<B: Backend> Moment<B> {
-    /// The values of one member (for 8-bit moments, its whole blocks).
-    pub fn member(&self, member: &Member) -> Self {
-        match self {
-            Self::F32(values) => Self::F32(member_values(values, member)),
-            Self::Q8 { codes, absmax } => {
-                let blocks = member.numel.div_ceil(BLOCK);
-                Self::Q8 {
-                    codes: codes.clone().narrow(0, member.offset, blocks * BLOCK),
-                    absmax: absmax.clone().narrow(0, member.offset / BLOCK, blocks),
-                }
-            }
-        }
-    }
 }
 
 /// What one optimizer step applies to every chunk.

@@ -111,6 +111,15 @@ pub fn update(chunk: &mut Chunk<Flex>, step: &UpdateStep, g: Tensor<Flex, 1>) ->
     }
 }
 
+/// `values` as a tensor of their dtype.
+fn vector<E: burn::tensor::Element, K: burn::tensor::BasicOps<Flex>>(
+    values: Vec<E>,
+    device: &<Flex as burn::tensor::backend::BackendTypes>::Device,
+) -> Tensor<Flex, 1, K> {
+    let len = values.len();
+    upload(TensorData::new(values, [len]), device)
+}
+
 fn floats(tensor: Tensor<Flex, 1>) -> Vec<f32> {
     tensor
         .into_data()
@@ -126,7 +135,6 @@ fn update_typed<T: Value>(
     let device = g.device();
     let len = chunk.len;
     let g: Vec<T> = g
-        .cast(chunk.dtype)
         .into_data()
         .into_vec()
         .expect("a gradient in the parameters' dtype");
@@ -153,8 +161,8 @@ fn update_typed<T: Value>(
                         (m[i], v[i], master[i], out[i]) = (mi, vi, w, T::from_f32(w));
                     }
                 });
-            chunk.m = Moment::F32(Tensor::from_data(TensorData::new(m, [len]), &device));
-            chunk.v = Moment::F32(Tensor::from_data(TensorData::new(v, [len]), &device));
+            chunk.m = Moment::F32(vector(m, &device));
+            chunk.v = Moment::F32(vector(v, &device));
         }
         (
             Moment::Q8 {
@@ -193,18 +201,18 @@ fn update_typed<T: Value>(
                     *va = encode_unsigned(&w, vc);
                 });
             chunk.m = Moment::Q8 {
-                codes: upload(TensorData::new(m_codes, [len]), &device),
-                absmax: Tensor::from_data(TensorData::new(m_absmax, [len / BLOCK]), &device),
+                codes: vector(m_codes, &device),
+                absmax: vector(m_absmax, &device),
             };
             chunk.v = Moment::Q8 {
-                codes: upload(TensorData::new(v_codes, [len]), &device),
-                absmax: Tensor::from_data(TensorData::new(v_absmax, [len / BLOCK]), &device),
+                codes: vector(v_codes, &device),
+                absmax: vector(v_absmax, &device),
             };
         }
         _ => unreachable!("both moments of a chunk have one format"),
     }
-    chunk.master = Tensor::from_data(TensorData::new(master, [len]), &device);
-    upload(TensorData::new(out, [len]), &device)
+    chunk.master = vector(master, &device);
+    vector(out, &device)
 }
 
 /// `x^4`, as the tensor ops compute the code's power.

@@ -60,7 +60,7 @@ use crate::config::{OptimizerKind, OptimizerState, SchedulerKind, TrainSettings}
 mod chunk;
 mod host;
 
-use chunk::{Chunk, Moment, UpdateStep, Which, gather, member_values, plan_chunks};
+use chunk::{Chunk, Member, Moment, UpdateStep, Which, gather, member_values, plan_chunks};
 
 /// The 8-bit code stores `levels · y^(1 / CODE_POWER)` for a value at ratio `y` of its block's
 /// absmax (the root taken as two square roots, the power as two squares).
@@ -280,7 +280,7 @@ pub struct AdamW<B: Backend, P: StatePlacement<B> = OnDevice> {
     chunks: Vec<Chunk<P::State>>,
     /// Values per chunk at most ([`CHUNK`]).
     chunk_values: usize,
-    /// Bytes of new values uploaded before they replace the old ones (`SWAP_BYTES`).
+    /// Bytes of new values uploaded before they replace the old ones ([`Swap`]).
     swap_bytes: usize,
     placement: PhantomData<P>,
 }
@@ -376,6 +376,59 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for SetValues<AB::InnerBackend> {
             tensor = tensor.require_grad();
         }
         Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// New parameter values on their way into a module: once `limit` bytes of them wait, they
+/// replace the old values, which are then freed, so that an update holds at most that much
+/// twice rather than every parameter.
+struct Swap<B: Backend> {
+    values: BTreeMap<String, Tensor<B, 1>>,
+    pending: usize,
+    limit: usize,
+}
+
+impl<B: Backend> Swap<B> {
+    fn new(limit: usize) -> Self {
+        Self {
+            values: BTreeMap::new(),
+            pending: 0,
+            limit,
+        }
+    }
+
+    /// Takes the `members`' new values from their chunk's flat tensor `flat`; returns
+    /// `module`, with the waiting values in it once they reach the limit.
+    fn add<AB, M>(&mut self, module: M, members: &[Member], flat: &Tensor<B, 1>) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        for member in members {
+            self.values
+                .insert(member.path.clone(), member_values(flat, member));
+        }
+        self.pending += tensor_bytes(flat.dims()[0], flat.dtype());
+        if self.pending < self.limit {
+            return module;
+        }
+        self.pending = 0;
+        self.finish(module)
+    }
+
+    /// `module` with every waiting value in it.
+    fn finish<AB, M>(&mut self, module: M) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        if self.values.is_empty() {
+            return module;
+        }
+        module.map(&mut SetValues::<B> {
+            path: PathStack::default(),
+            values: std::mem::take(&mut self.values),
+        })
     }
 }
 
@@ -542,30 +595,16 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             lr,
             grad_scale,
         };
-        // New values replace the old ones in the module every `swap_bytes`, so that the old
-        // ones are freed on the way, not all kept beside the new until the end.
         let mut module = module;
-        let mut values = BTreeMap::new();
-        let mut pending = 0;
-        let chunks = self.chunks.len();
-        for (i, (chunk, g)) in self.chunks.iter_mut().zip(flat_grads).enumerate() {
+        let mut swap = Swap::new(self.swap_bytes);
+        for (chunk, g) in self.chunks.iter_mut().zip(flat_grads) {
             if let Some(g) = g {
                 let out = P::to_model(P::update(chunk, &step, g), &model_device);
-                for member in &chunk.members {
-                    values.insert(member.path.clone(), member_values(&out, member));
-                }
-                pending += tensor_bytes(chunk.len, chunk.dtype);
-            }
-            if pending >= self.swap_bytes || (i + 1 == chunks && !values.is_empty()) {
-                module = module.map(&mut SetValues::<B> {
-                    path: PathStack::default(),
-                    values: std::mem::take(&mut values),
-                });
-                pending = 0;
+                module = swap.add(module, &chunk.members, &out);
             }
         }
         (
-            module,
+            swap.finish(module),
             StepReport {
                 grad_norm,
                 applied: true,
@@ -579,11 +618,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     /// exact f32 value of every optimized parameter (its master copy, or the parameter itself
     /// when it is f32), so that a resume is exact whatever dtype the LoRA file was saved in.
     /// Reads the tensors back from the device.
-    pub fn to_tensors<AB, M>(&self, _module: &M) -> Vec<(String, TensorData)>
-    where
-        AB: AutodiffBackend<InnerBackend = B>,
-        M: AutodiffModule<AB>,
-    {
+    pub fn to_tensors(&self) -> Vec<(String, TensorData)> {
         let mut out = Vec::new();
         for chunk in &self.chunks {
             for member in &chunk.members {
@@ -656,7 +691,8 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             Ok(data)
         };
         let mut chunks = Vec::new();
-        let mut values = BTreeMap::new();
+        let mut module = module;
+        let mut swap = Swap::new(self.swap_bytes);
         for (dtype, quantized, members, len) in
             plan_chunks(&layout, self.config.kind, self.chunk_values)
         {
@@ -666,13 +702,8 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
                     members
                         .iter()
                         .map(|m| {
-                            let count = if quantized {
-                                m.numel.div_ceil(BLOCK) * BLOCK / per
-                            } else {
-                                m.numel
-                            };
                             let key = format!("{}.{suffix}", m.path);
-                            Ok((m.offset / per, take(key, count, dtype)?))
+                            Ok((m.offset / per, take(key, m.span(quantized) / per, dtype)?))
                         })
                         .collect::<Result<Vec<_>, OptimError>>()
                 };
@@ -703,10 +734,11 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
                 })
                 .collect::<Result<Vec<_>, OptimError>>()?;
             let master: Tensor<P::State, 1> = upload(concat(masters, len, DType::F32), &device);
-            let on_model = P::to_model(master.clone(), &model_device);
-            for member in &members {
-                values.insert(member.path.clone(), member_values(&on_model, member));
-            }
+            module = swap.add(
+                module,
+                &members,
+                &P::to_model(master.clone(), &model_device),
+            );
             chunks.push(Chunk {
                 dtype,
                 quantized,
@@ -725,10 +757,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         }
         self.steps = steps;
         self.chunks = chunks;
-        Ok(module.map(&mut SetValues::<B> {
-            path: PathStack::default(),
-            values,
-        }))
+        Ok(swap.finish(module))
     }
 }
 
@@ -771,14 +800,10 @@ impl<B: Backend> PlacedAdamW<B> {
     }
 
     /// [`AdamW::to_tensors`].
-    pub fn to_tensors<AB, M>(&self, module: &M) -> Vec<(String, TensorData)>
-    where
-        AB: AutodiffBackend<InnerBackend = B>,
-        M: AutodiffModule<AB>,
-    {
+    pub fn to_tensors(&self) -> Vec<(String, TensorData)> {
         match self {
-            Self::Device(o) => o.to_tensors(module),
-            Self::Host(o) => o.to_tensors(module),
+            Self::Device(o) => o.to_tensors(),
+            Self::Host(o) => o.to_tensors(),
         }
     }
 
@@ -1026,7 +1051,7 @@ mod tests {
             // parameter of a format in one chunk.
             let mut each = optimizer(1);
             each.swap_bytes = 1;
-            let net_each = train(net(), &mut each, 3);
+            train(net(), &mut each, 3);
             let mut together = optimizer(CHUNK);
             let net_together = train(net(), &mut together, 3);
             // a | b | c d, or with 8-bit moments a | b | c | d (c keeps f32 moments).
@@ -1036,20 +1061,16 @@ mod tests {
                 (4, grouped),
                 "{kind:?}"
             );
-            let state = each.to_tensors(&net_each);
-            assert_eq!(
-                bytes(&state),
-                bytes(&together.to_tensors(&net_together)),
-                "{kind:?}"
-            );
+            let state = each.to_tensors();
+            assert_eq!(bytes(&state), bytes(&together.to_tensors()), "{kind:?}");
             // Restored into the other chunking, the run goes on as if never interrupted.
-            let straight = train(net_together, &mut together, 2);
+            train(net_together, &mut together, 2);
             let mut resumed = optimizer(CHUNK);
             let restored = resumed.restore(net(), 3, state).unwrap();
-            let net_resumed = train(restored, &mut resumed, 2);
+            train(restored, &mut resumed, 2);
             assert_eq!(
-                bytes(&resumed.to_tensors(&net_resumed)),
-                bytes(&together.to_tensors(&straight)),
+                bytes(&resumed.to_tensors()),
+                bytes(&together.to_tensors()),
                 "{kind:?}"
             );
         }

@@ -127,6 +127,22 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         )
     }
 
+    /// One op, the identity, whose backward hands the gradient to `B`'s sink and gives the
+    /// parameter none in the graph.
+    fn trainable(param: FloatTensor<Self>) -> FloatTensor<Self> {
+        if param.node.requirement.is_none() || !B::takes_gradient(&param.primitive) {
+            return param;
+        }
+        let prepared = <SinkBackward as Backward<B, 1>>::prepare::<C>;
+        match prepared(SinkBackward, [param.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(param.primitive.clone(), param.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(param.primitive),
+        }
+    }
+
     /// Declined when the scale or the tables need gradients: the fused op gives only `x` one.
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
         let NormRope {
@@ -247,6 +263,24 @@ impl<B: FusedOps> Backward<B, 3> for LinearAddBackward {
             B::float_mul_scalar(grad, alpha.into())
         };
         linear_backward::<B>(state, [x_id, weight_id], grad, grads);
+    }
+}
+
+#[derive(Debug)]
+struct SinkBackward;
+
+impl<B: FusedOps> Backward<B, 1> for SinkBackward {
+    /// The parameter, which tells the backend where its gradient goes.
+    type State = FloatTensor<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        B::sink_gradient(&ops.state, grad);
     }
 }
 

@@ -140,6 +140,20 @@ pub trait FusedOps: Backend {
         Err(addend)
     }
 
+    /// Whether the gradient of the trainable parameter `param` goes to a sink of the backend's
+    /// (host memory, as each backward produces it) rather than into the autodiff graph's
+    /// gradients ([`trainable`](crate::trainable)). No parameter's does by default.
+    fn takes_gradient(param: &FloatTensor<Self>) -> bool {
+        let _ = param;
+        false
+    }
+
+    /// Hands `grad`, a gradient of `param`, to its sink; called only where
+    /// [`takes_gradient`](Self::takes_gradient) said yes.
+    fn sink_gradient(param: &FloatTensor<Self>, grad: FloatTensor<Self>) {
+        let _ = (param, grad);
+    }
+
     /// The 2-D convolution of `x` (`[batch, channels, height, width]`) with `weight` under
     /// `conv`, without bias, as `conv2d` computes it, by the device's vendor DNN library; `None`
     /// where the backend has none, the options leave products to Burn (`blas: off`), or the

@@ -51,6 +51,11 @@ pub trait Kernels: Backend {
         alpha: f32,
         options: &KernelOptions,
     ) -> Result<FloatTensor<Self>, FloatTensor<Self>>;
+
+    /// `param` as the forward reads it: itself, or, where the backend takes the parameter's
+    /// gradient ([`FusedOps::takes_gradient`]), an op whose backward hands its gradient to the
+    /// backend instead of the graph.
+    fn trainable(param: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 impl<B: FusedOps> Kernels for B {
@@ -92,6 +97,11 @@ impl<B: FusedOps> Kernels for B {
         options: &KernelOptions,
     ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
         B::blas_matmul_add(x, weight, addend, alpha, options)
+    }
+
+    /// Without autodiff there is no gradient to take.
+    fn trainable(param: FloatTensor<Self>) -> FloatTensor<Self> {
+        param
     }
 }
 
@@ -252,4 +262,12 @@ pub fn linear_add<B: Kernels, const D: usize>(
             tensor::<B, D>(addend) + product
         }
     }
+}
+
+/// A trainable parameter as the forward reads it: the same values, whose gradient the backend
+/// may take to host memory as the backward produces it, instead of keeping it in the graph's
+/// gradients until the backward ends (burn-offload's `GradientSink`). Call it on each
+/// parameter read that the forward differentiates.
+pub fn trainable<B: Kernels, const D: usize>(param: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::trainable(param.into_primitive().tensor()))
 }

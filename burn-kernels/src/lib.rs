@@ -65,5 +65,7 @@ mod wgpu;
 pub use counters::{KernelCounters, counters};
 pub use error::{KernelError, fell_back};
 pub use fused::{FusedOps, NoKernel, NormRope, UnaryOp};
-pub use kernels::{Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm_rope};
+pub use kernels::{
+    Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm_rope, trainable,
+};
 pub use options::{BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};

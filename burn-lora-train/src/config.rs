@@ -231,6 +231,11 @@ pub struct TrainSectionYaml {
     /// updated.
     #[serde(default = "defaults::optimizer_state")]
     pub optimizer_state: String,
+    /// `device` or `host`: where the adapters' gradients are summed: in the autodiff graph on
+    /// the device, or in host memory, each copied there as the backward produces it (needs
+    /// `optimizer_state: host`).
+    #[serde(default = "defaults::optimizer_state")]
+    pub gradients: String,
     /// AdamW weight decay (decoupled).
     #[serde(default = "defaults::weight_decay")]
     pub weight_decay: f64,
@@ -656,6 +661,15 @@ pub enum OptimizerState {
     Host,
 }
 
+/// Where the adapters' gradients are summed until the optimizer step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradientPlacement {
+    /// In the autodiff graph's gradients, on the device, until the backward ends.
+    Device,
+    /// In host memory, each copied there as the backward produces it.
+    Host,
+}
+
 /// Shape of the learning-rate curve after warm-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SchedulerKind {
@@ -716,6 +730,8 @@ pub struct TrainSettings {
     pub optimizer: OptimizerKind,
     /// Where its state lives.
     pub optimizer_state: OptimizerState,
+    /// Where the gradients are summed.
+    pub gradients: GradientPlacement,
     /// Decoupled weight decay.
     pub weight_decay: f64,
     /// Learning-rate curve after warm-up.
@@ -988,13 +1004,15 @@ impl TrainPlan {
     }
 
     /// A fingerprint (16 hex digits) of every setting that shapes the training trajectory:
-    /// everything except `train.steps`, `train.optimizer_state`, `save` and `logging`, which
+    /// everything except `train.steps`, `train.optimizer_state`, `train.gradients`, `save` and
+    /// `logging`, which
     /// may change between a run and its resumption.
     pub fn resume_fingerprint(&self) -> String {
         let mut shaping = self.source.clone();
         shaping.train.steps = 0;
         // The saved state is the same wherever it lived.
         shaping.train.optimizer_state = defaults::optimizer_state();
+        shaping.train.gradients = defaults::optimizer_state();
         shaping.save = defaults::section();
         shaping.logging = defaults::section();
         let json = serde_json::to_string(&shaping).expect("the configuration serializes to JSON");
@@ -1332,6 +1350,25 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
             ("host", OptimizerState::Host),
         ],
     );
+    let gradients = c.choose(
+        "train.gradients",
+        &t.gradients,
+        &[
+            ("device", GradientPlacement::Device),
+            ("host", GradientPlacement::Host),
+        ],
+    );
+    let gradients = match (gradients, optimizer_state) {
+        (Some(GradientPlacement::Host), Some(OptimizerState::Device)) => {
+            c.fail(
+                "train.gradients",
+                "`host` needs the optimizer in host memory too: set `train.optimizer_state: host`"
+                    .to_string(),
+            );
+            None
+        }
+        (gradients, _) => gradients,
+    };
     let decay = c.require(
         t.weight_decay.is_finite() && t.weight_decay >= 0.0,
         t.weight_decay,
@@ -1397,6 +1434,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         lr: lr?,
         optimizer: optimizer?,
         optimizer_state: optimizer_state?,
+        gradients: gradients?,
         weight_decay: decay?,
         lr_scheduler: scheduler?,
         lr_warmup_steps: warmup?,

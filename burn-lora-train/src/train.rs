@@ -33,13 +33,13 @@ use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::Backend;
 use burn_lora::{LoraMetadata, SaveOptions};
 use burn_offload::{
-    MemoryMeasurement, MemoryPlan, MemoryProbe, Offload, OffloadError, StepStats, StreamTarget,
-    WeightStream,
+    GradientSink, MemoryMeasurement, MemoryPlan, MemoryProbe, Offload, OffloadError, StepStats,
+    StreamTarget, WeightStream,
 };
 
 use crate::cache;
 use crate::checkpoint::{RunDir, TrainingState};
-use crate::config::TrainPlan;
+use crate::config::{GradientPlacement, TrainPlan};
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
 use crate::error::gb;
@@ -182,6 +182,10 @@ where
         AdamWConfig::from_settings(&plan.train),
         plan.train.optimizer_state,
     );
+    let sink = match plan.train.gradients {
+        GradientPlacement::Host => Some(GradientSink::<B>::new(device)?),
+        GradientPlacement::Device => None,
+    };
     let mut rng = Rng::seeded(plan.train.seed);
     let mut position = DataPosition::default();
     let mut step = 0;
@@ -237,6 +241,9 @@ where
             if let Some(stream) = &stream {
                 stream.begin_step();
             }
+            if let Some(sink) = &sink {
+                flux = sink.attach(flux);
+            }
             let samples: Vec<Sample<'_>> = batch
                 .samples
                 .iter()
@@ -262,7 +269,11 @@ where
         }
         let loss = loss_sum / plan.train.gradient_accumulation_steps as f64;
         let losses_read = start.elapsed().as_secs_f64();
-        let (updated, stepped) = optimizer.step(flux, accumulator.grads(), lr);
+        let host_grads = match &sink {
+            Some(sink) => sink.take()?,
+            None => Vec::new(),
+        };
+        let (updated, stepped) = optimizer.step(flux, accumulator.grads(), host_grads, lr);
         flux = updated;
         let optimizer_queued = start.elapsed().as_secs_f64() - losses_read;
         step += 1;

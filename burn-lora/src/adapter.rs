@@ -9,7 +9,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorCreationOptions, TensorData};
-use burn_kernels::{Kernels, linear};
+use burn_kernels::{Kernels, linear, trainable};
 
 use crate::LoraError;
 use crate::config::{AdapterConfig, LokrConfig, LoraConfig, factorize};
@@ -349,6 +349,16 @@ fn param<B: Backend>(
 }
 
 impl<B: Kernels> Adapter<B> {
+    /// The LoRA factors `(down, up)` as the forward reads them, through
+    /// [`burn_kernels::trainable`] (whose gradients the backend may take to host memory);
+    /// `None` for LoKr.
+    pub(crate) fn forward_factors(&self) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
+        match self {
+            Self::Lora(w) => Some((trainable(w.down.val()), trainable(w.up.val()))),
+            Self::Lokr(_) => None,
+        }
+    }
+
     /// The unscaled update applied to the input of a linear layer: `x · (up · down)ᵀ`, or
     /// `x · (w1 ⊗ w2)ᵀ` computed as `W1 · X · W2ᵀ` on `x` reshaped to `[…, in₁, in₂]`, so the
     /// Kronecker product is never formed. The products go through [`burn_kernels::linear`]
@@ -356,8 +366,8 @@ impl<B: Kernels> Adapter<B> {
     pub(crate) fn linear_update<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Self::Lora(w) => linear(
-                linear(x, w.down.val().transpose(), None),
-                w.up.val().transpose(),
+                linear(x, trainable(w.down.val()).transpose(), None),
+                trainable(w.up.val()).transpose(),
                 None,
             ),
             Self::Lokr(w) => {

@@ -220,7 +220,7 @@ impl<B: Kernels> Adapted<B, Linear<B>> {
         };
         let y = self.base_forward(input.clone());
         let x = adapter.input(input);
-        match adapter.lora_factors() {
+        match adapter.forward_factors() {
             // The update accumulated into the base's output by the up factor's product.
             Some((down, up)) if up.dtype() == y.dtype() => {
                 let h = burn_kernels::linear(x, down.transpose(), None);

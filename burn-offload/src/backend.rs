@@ -13,6 +13,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use crate::engine::Engine;
+use crate::sink::SinkTag;
 use crate::target::StreamTarget;
 use crate::weight::HostWeight;
 
@@ -55,8 +56,11 @@ impl PrefetchPolicy for OnDemand {
 
 /// The float primitive of [`Offload`]: a tensor on `B`'s device, or a streamed weight (a cheap
 /// handle to host memory that autodiff may keep until backward without holding device memory).
+/// A trainable parameter may carry the [`GradientSink`](crate::GradientSink) its gradients go
+/// to.
 pub struct OffloadTensor<B: StreamTarget> {
     repr: Repr<B>,
+    pub(crate) sink: Option<SinkTag<B>>,
 }
 
 enum Repr<B: StreamTarget> {
@@ -87,7 +91,10 @@ impl<B: StreamTarget> Clone for OffloadTensor<B> {
             Repr::Device(t) => Repr::Device(t.clone()),
             Repr::Streamed(s) => Repr::Streamed(s.clone()),
         };
-        Self { repr }
+        Self {
+            repr,
+            sink: self.sink.clone(),
+        }
     }
 }
 
@@ -121,12 +128,14 @@ impl<B: StreamTarget> OffloadTensor<B> {
     pub fn from_inner(tensor: B::FloatTensorPrimitive) -> Self {
         Self {
             repr: Repr::Device(tensor),
+            sink: None,
         }
     }
 
     pub(crate) fn streamed(weight: Arc<HostWeight>, engine: Arc<Engine<B>>) -> Self {
         Self {
             repr: Repr::Streamed(Streamed { weight, engine }),
+            sink: None,
         }
     }
 
@@ -150,7 +159,10 @@ impl<B: StreamTarget> OffloadTensor<B> {
     pub fn try_into_inner(self) -> Result<B::FloatTensorPrimitive, Self> {
         match self.repr {
             Repr::Device(t) => Ok(t),
-            repr => Err(Self { repr }),
+            repr => Err(Self {
+                repr,
+                sink: self.sink,
+            }),
         }
     }
 

@@ -15,7 +15,8 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use burn_kernels::cuda::{SideContext, drain};
+use burn_cubecl::kernel::into_contiguous;
+use burn_kernels::cuda::{SideContext, address, drain};
 use cubecl::Runtime;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -50,10 +51,30 @@ pub struct PinnedMemory {
     ctx: Arc<CudaContext>,
 }
 
-// SAFETY: a plain host allocation, never written after it was filled at creation.
+// SAFETY: a plain host allocation; a weight's is never written after it was filled at
+// creation, a staging buffer's only by the one thread that owns it.
 unsafe impl Send for PinnedMemory {}
 // SAFETY: as above: shared reads only.
 unsafe impl Sync for PinnedMemory {}
+
+/// `bytes` in page-locked memory of `ctx`.
+fn pinned(bytes: Vec<u8>, ctx: Arc<CudaContext>) -> Result<PinnedMemory, OffloadError> {
+    let len = bytes.len();
+    let ptr = if len == 0 {
+        std::ptr::null_mut()
+    } else {
+        ctx.bind_to_thread()
+            .map_err(device_error("binding the CUDA context"))?;
+        // SAFETY: a fresh allocation of `len` bytes, filled right below.
+        let ptr = unsafe { result::malloc_host(len, 0) }
+            .map_err(device_error("allocating page-locked host memory"))?
+            .cast::<u8>();
+        // SAFETY: `ptr` holds `len` bytes and does not overlap `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) };
+        ptr
+    };
+    Ok(PinnedMemory { ptr, len, ctx })
+}
 
 impl HostMemory for PinnedMemory {
     fn bytes(&self) -> &[u8] {
@@ -73,6 +94,25 @@ impl Drop for PinnedMemory {
             let _ = unsafe { result::free_host(self.ptr.cast()) };
         }
     }
+}
+
+/// Bytes of page-locked memory a downloading thread reads gradients through.
+const STAGING: usize = 64 << 20;
+
+/// A device tensor on its way to host memory: the tensor (kept alive until the copy), its
+/// address and size, and the point in the compute order after which it may be read.
+pub struct CudaDownload {
+    tensor: CubeTensor<CudaRuntime>,
+    ptr: u64,
+    len: usize,
+    fence: DynFut<Result<(), ServerError>>,
+}
+
+/// The page-locked buffer and the stream of one downloading thread: device-to-host copies on
+/// a stream of their own, so that they overlap the uploads of the copy stream.
+pub struct CudaStaging {
+    memory: PinnedMemory,
+    stream: Arc<CudaStream>,
 }
 
 /// The slots of a ring: Burn-owned device buffers and their addresses.
@@ -187,21 +227,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         device: &CudaDevice,
     ) -> Result<Box<dyn HostMemory>, OffloadError> {
         let (ctx, _) = copy_stream(device)?;
-        let len = bytes.len();
-        let ptr = if len == 0 {
-            std::ptr::null_mut()
-        } else {
-            ctx.bind_to_thread()
-                .map_err(device_error("binding the CUDA context"))?;
-            // SAFETY: a fresh allocation of `len` bytes, filled right below.
-            let ptr = unsafe { result::malloc_host(len, 0) }
-                .map_err(device_error("allocating page-locked host memory"))?
-                .cast::<u8>();
-            // SAFETY: `ptr` holds `len` bytes and does not overlap `bytes`.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) };
-            ptr
-        };
-        Ok(Box::new(PinnedMemory { ptr, len, ctx }))
+        Ok(Box::new(pinned(bytes, ctx)?))
     }
 
     /// The wire payload: the codes and scales of an FP8 weight, decoded when an op reads it.
@@ -317,6 +343,76 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         side.context().bind_to_thread().ok()?;
         let (free, total) = result::mem_get_info().ok()?;
         Some(total.saturating_sub(free) as u64)
+    }
+
+    type Download = CudaDownload;
+    type Staging = CudaStaging;
+
+    fn download_staging(device: &CudaDevice) -> Result<CudaStaging, OffloadError> {
+        let (ctx, _) = copy_stream(device)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(device_error("creating the download stream"))?;
+        let memory = pinned(vec![0; STAGING], ctx)?;
+        Ok(CudaStaging { memory, stream })
+    }
+
+    fn start_download(tensor: FloatTensor<Self>) -> Result<CudaDownload, OffloadError> {
+        let tensor = into_contiguous(tensor);
+        let client = tensor.client.clone();
+        let ptr = address(&client, &tensor.handle).ok_or_else(|| OffloadError::Device {
+            action: "locating a gradient on the device",
+            reason: "CubeCL does not resolve its buffer".into(),
+        })?;
+        let len = tensor.meta.shape().num_elements() * tensor.dtype.size();
+        let fence = client.sync();
+        Ok(CudaDownload {
+            tensor,
+            ptr,
+            len,
+            fence,
+        })
+    }
+
+    fn finish_download(
+        download: CudaDownload,
+        staging: &mut CudaStaging,
+        read: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), OffloadError> {
+        block_on(download.fence).map_err(|e| OffloadError::Device {
+            action: "waiting for a gradient",
+            reason: format!("{e:?}"),
+        })?;
+        staging
+            .memory
+            .ctx
+            .bind_to_thread()
+            .map_err(device_error("binding the CUDA context"))?;
+        let mut offset = 0;
+        while offset < download.len {
+            let len = (download.len - offset).min(staging.memory.len);
+            // SAFETY: the staging memory holds `STAGING` page-locked bytes that only this
+            // thread uses; the source is `len` bytes of a live buffer (the download holds its
+            // tensor), complete since the fence passed.
+            let piece = unsafe { std::slice::from_raw_parts_mut(staging.memory.ptr, len) };
+            // SAFETY: as above; the copy is complete when `synchronize` returns.
+            unsafe {
+                result::memcpy_dtoh_async(
+                    &mut *piece,
+                    download.ptr + offset as u64,
+                    staging.stream.cu_stream(),
+                )
+            }
+            .map_err(device_error("copying a gradient to host memory"))?;
+            staging
+                .stream
+                .synchronize()
+                .map_err(device_error("waiting for a gradient copy"))?;
+            read(piece);
+            offset += len;
+        }
+        drop(download.tensor);
+        Ok(())
     }
 
     fn memory_handed_out(device: &CudaDevice) -> Option<u64> {

@@ -32,6 +32,17 @@ fn inner_norm_rope<B: StreamTarget, P: PrefetchPolicy>(
 impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
     type Attention = B::Attention;
 
+    /// A parameter tagged by a [`GradientSink`](crate::GradientSink) sends its gradients there.
+    fn takes_gradient(param: &FloatTensor<Self>) -> bool {
+        param.sink.is_some()
+    }
+
+    fn sink_gradient(param: &FloatTensor<Self>, grad: FloatTensor<Self>) {
+        if let Some(tag) = &param.sink {
+            tag.sink.send(tag.index, grad.into_inner());
+        }
+    }
+
     fn fused_attention(
         q: &FloatTensor<Self>,
         k: &FloatTensor<Self>,

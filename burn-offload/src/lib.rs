@@ -81,6 +81,7 @@ mod error;
 mod fused;
 mod ops;
 mod policy;
+mod sink;
 mod stats;
 mod stream;
 mod target;
@@ -92,6 +93,7 @@ pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, P
 pub use config::{OffloadConfig, WireFormat};
 pub use error::OffloadError;
 pub use policy::{MemoryMeasurement, Route, ScheduleOutcome};
+pub use sink::GradientSink;
 pub use stats::{MemoryPlan, StepStats};
 pub use stream::WeightStream;
 pub use target::{MemoryProbe, StreamTarget};

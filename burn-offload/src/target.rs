@@ -82,6 +82,27 @@ pub trait StreamTarget: FusedOps {
     /// Blocks until `fence` has passed.
     fn wait(fence: Self::Fence);
 
+    /// A copy of a device tensor into host memory, begun by
+    /// [`start_download`](Self::start_download).
+    type Download: Send + 'static;
+    /// What the thread that finishes downloads reads them through (page-locked memory on CUDA).
+    type Staging: Send + 'static;
+
+    /// The staging memory of one downloading thread.
+    fn download_staging(device: &Self::Device) -> Result<Self::Staging, OffloadError>;
+
+    /// Begins copying `tensor` into host memory once the work submitted so far has run, on the
+    /// compute thread; the tensor's memory is kept until the copy is done.
+    fn start_download(tensor: FloatTensor<Self>) -> Result<Self::Download, OffloadError>;
+
+    /// Completes `download` on another thread: hands its bytes (row-major, in the tensor's
+    /// dtype) to `read` in consecutive pieces of whole values.
+    fn finish_download(
+        download: Self::Download,
+        staging: &mut Self::Staging,
+        read: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), OffloadError>;
+
     /// Device bytes in use, where the backend reports them (on CUDA, everything the driver
     /// counts as used on the device, the pages an allocator keeps after freeing included).
     fn memory_in_use(device: &Self::Device) -> Option<u64>;
@@ -274,6 +295,47 @@ impl StreamTarget for Flex {
     fn memory_in_use(_device: &Self::Device) -> Option<u64> {
         None
     }
+
+    type Download = TensorData;
+    type Staging = ();
+
+    fn download_staging(_device: &Self::Device) -> Result<(), OffloadError> {
+        Ok(())
+    }
+
+    /// Reads the values at once: the CPU has no other memory to copy from.
+    fn start_download(tensor: FloatTensor<Self>) -> Result<TensorData, OffloadError> {
+        read_now::<Self>(tensor)
+    }
+
+    fn finish_download(
+        download: TensorData,
+        _staging: &mut (),
+        read: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), OffloadError> {
+        finish_read(download, read)
+    }
+}
+
+/// Hands values read at once to `read`: the download of a backend without a copy engine.
+pub(crate) fn finish_read(
+    download: TensorData,
+    read: &mut dyn FnMut(&[u8]),
+) -> Result<(), OffloadError> {
+    read(download.as_bytes());
+    Ok(())
+}
+
+/// The values of `tensor`, read through the backend's own path, waiting for them.
+pub(crate) fn read_now<B: burn::tensor::backend::Backend>(
+    tensor: FloatTensor<B>,
+) -> Result<TensorData, OffloadError> {
+    cubecl_common::future::block_on(B::float_into_data(tensor)).map_err(|e| {
+        OffloadError::Device {
+            action: "reading a tensor back from the device",
+            reason: format!("{e:?}"),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 
 use std::sync::Mutex;
 
+use burn::tensor::TensorData;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
@@ -15,7 +16,7 @@ use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl_common::future::{DynFut, block_on};
 
 use crate::error::OffloadError;
-use crate::target::StreamTarget;
+use crate::target::{StreamTarget, finish_read, read_now};
 use crate::weight::{HostMemory, HostWeight};
 
 /// The slots of a ring: the tensor each holds since its last fill, none after a poisoning.
@@ -113,5 +114,25 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_in_use)
+    }
+
+    type Download = TensorData;
+    type Staging = ();
+
+    fn download_staging(_device: &WgpuDevice) -> Result<(), OffloadError> {
+        Ok(())
+    }
+
+    /// Reads the values at once, through Burn's own path.
+    fn start_download(tensor: FloatTensor<Self>) -> Result<TensorData, OffloadError> {
+        read_now::<Self>(tensor)
+    }
+
+    fn finish_download(
+        download: TensorData,
+        _staging: &mut (),
+        read: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), OffloadError> {
+        finish_read(download, read)
     }
 }

@@ -235,14 +235,22 @@ pub const CHUNK: usize = 1 << 24;
 /// module (the old ones are then freed): what the update holds twice at most.
 const SWAP_BYTES: usize = 1 << 30;
 
+/// A parameter's gradient, flattened.
+enum Grad<B: Backend> {
+    /// On the parameters' device, in their dtype.
+    Device(Tensor<B, 1>),
+    /// Summed in host memory, in f32.
+    Host(TensorData),
+}
+
 /// A parameter the optimizer sees, in the module's visiting order.
 struct Entry<B: Backend> {
     path: String,
     dtype: DType,
     /// The parameter's values, flattened.
     value: Tensor<B, 1>,
-    /// Its gradient, flattened, when it has one.
-    grad: Option<Tensor<B, 1>>,
+    /// Its gradient, when it has one.
+    grad: Option<Grad<B>>,
 }
 
 /// AdamW over the parameters of a module that receive gradients, keyed by module path, with
@@ -303,11 +311,12 @@ impl PathStack {
     }
 }
 
-/// The float parameters of a module in visiting order: those with a gradient in `grads`
-/// (which are taken out of it), or those at the `wanted` paths.
+/// The float parameters of a module in visiting order: those with a gradient in `grads` or,
+/// failing that, in `host` (which are taken out of them), or those at the `wanted` paths.
 struct Entries<'a, B: Backend> {
     path: PathStack,
     grads: Option<&'a mut GradientsParams>,
+    host: BTreeMap<String, TensorData>,
     wanted: Option<&'a BTreeSet<String>>,
     entries: Vec<Entry<B>>,
 }
@@ -325,8 +334,11 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Entries<'_, AB::InnerBackend> {
         let path = self.path.current();
         let grad = match &mut self.grads {
             Some(grads) => match grads.remove::<AB::InnerBackend, D>(param.id) {
-                Some(grad) => Some(flat(grad)),
-                None => return,
+                Some(grad) => Some(Grad::Device(flat(grad))),
+                None => match self.host.remove(&path) {
+                    Some(sum) => Some(Grad::Host(sum)),
+                    None => return,
+                },
             },
             None => None,
         };
@@ -529,7 +541,25 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     ///
     /// The global norm is read back to the host (one sync); when it is not finite the module
     /// and the state are returned unchanged and [`StepReport::applied`] is `false`.
-    pub fn step<AB, M>(&mut self, module: M, mut grads: GradientsParams, lr: f64) -> (M, StepReport)
+    pub fn step<AB, M>(&mut self, module: M, grads: GradientsParams, lr: f64) -> (M, StepReport)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        self.step_with_host_gradients(module, grads, Vec::new(), lr)
+    }
+
+    /// [`step`](Self::step) where the gradients of some parameters were summed in host memory
+    /// instead (`host`: flat f32 values by module path, as burn-offload's `GradientSink` takes
+    /// them). A gradient reaches the update in the parameter's dtype either way, and its norm
+    /// is taken where the state lives.
+    pub fn step_with_host_gradients<AB, M>(
+        &mut self,
+        module: M,
+        mut grads: GradientsParams,
+        host: Vec<(String, TensorData)>,
+        lr: f64,
+    ) -> (M, StepReport)
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
@@ -537,6 +567,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         let mut visitor = Entries::<B> {
             path: PathStack::default(),
             grads: Some(&mut grads),
+            host: host.into_iter().collect(),
             wanted: None,
             entries: Vec::new(),
         };
@@ -552,26 +583,57 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             );
         };
         self.add_chunks(&entries);
-        let mut grads: BTreeMap<String, Tensor<B, 1>> = entries
-            .into_iter()
-            .filter_map(|e| e.grad.map(|g| (e.path, g)))
-            .collect();
-        // The gradients chunk by chunk, their squared norm on the parameters' device, then
-        // the gradients on the state's device in the parameters' dtype.
+        let state_device = P::state_device(&model_device);
+        let mut device_grads = BTreeMap::new();
+        let mut host_grads = BTreeMap::new();
+        for entry in entries {
+            match entry.grad {
+                Some(Grad::Device(g)) => {
+                    device_grads.insert(entry.path, g);
+                }
+                Some(Grad::Host(sum)) => {
+                    host_grads.insert(entry.path, sum);
+                }
+                None => {}
+            }
+        }
+        // The gradients chunk by chunk, their squared norm (on the parameters' device, or
+        // where the state lives for a chunk with host gradients), then the gradients on the
+        // state's device in the parameters' dtype.
         let mut flat_grads = Vec::with_capacity(self.chunks.len());
         let mut squares: Option<Tensor<B, 1>> = None;
         for chunk in &self.chunks {
-            let flat = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
-                grads.remove(&m.path)
+            let on_device = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
+                device_grads.remove(&m.path)
             });
-            if let Some(g) = &flat {
-                let sum = g.clone().cast(FloatDType::F32).square().sum();
-                squares = Some(match squares.take() {
-                    Some(total) => total + sum,
-                    None => sum,
-                });
-            }
-            flat_grads.push(flat.map(P::to_state));
+            let on_host = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
+                let sum = host_grads.remove(&m.path)?;
+                let sum: Tensor<P::State, 1> = upload(sum, &state_device);
+                Some(sum.cast(chunk.dtype))
+            });
+            let (sum, flat) = match (on_device, on_host) {
+                (Some(g), None) => (
+                    g.clone().cast(FloatDType::F32).square().sum(),
+                    P::to_state(g),
+                ),
+                (on_device, Some(on_host)) => {
+                    let g = match on_device {
+                        Some(g) => P::to_state(g) + on_host,
+                        None => on_host,
+                    };
+                    let sum = g.clone().cast(FloatDType::F32).square().sum();
+                    (upload(sum.into_data(), &model_device), g)
+                }
+                (None, None) => {
+                    flat_grads.push(None);
+                    continue;
+                }
+            };
+            squares = Some(match squares.take() {
+                Some(total) => total + sum,
+                None => sum,
+            });
+            flat_grads.push(Some(flat));
         }
         let grad_norm = squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
         if !grad_norm.is_finite() {
@@ -656,6 +718,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         let mut visitor = Entries::<B> {
             path: PathStack::default(),
             grads: None,
+            host: BTreeMap::new(),
             wanted: Some(&paths),
             entries: Vec::new(),
         };
@@ -779,15 +842,21 @@ impl<B: Backend> PlacedAdamW<B> {
         }
     }
 
-    /// [`AdamW::step`].
-    pub fn step<AB, M>(&mut self, module: M, grads: GradientsParams, lr: f64) -> (M, StepReport)
+    /// [`AdamW::step_with_host_gradients`].
+    pub fn step<AB, M>(
+        &mut self,
+        module: M,
+        grads: GradientsParams,
+        host: Vec<(String, TensorData)>,
+        lr: f64,
+    ) -> (M, StepReport)
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
         match self {
-            Self::Device(o) => o.step(module, grads, lr),
-            Self::Host(o) => o.step(module, grads, lr),
+            Self::Device(o) => o.step_with_host_gradients(module, grads, host, lr),
+            Self::Host(o) => o.step_with_host_gradients(module, grads, host, lr),
         }
     }
 

@@ -269,13 +269,13 @@ where
         }
         let loss = loss_sum / plan.train.gradient_accumulation_steps as f64;
         let losses_read = start.elapsed().as_secs_f64();
-        let host_grads = match &sink {
-            Some(sink) => sink.take()?,
-            None => Vec::new(),
-        };
-        let (updated, stepped) = optimizer.step(flux, accumulator.grads(), host_grads, lr);
+        let sums = sink.as_ref().map(|sink| sink.take()).transpose()?;
+        let gradients_read = start.elapsed().as_secs_f64() - losses_read;
+        let host_grads: Vec<(&str, &[f32])> = sums.iter().flat_map(|s| s.iter()).collect();
+        let (updated, stepped) = optimizer.step(flux, accumulator.grads(), &host_grads, lr);
+        drop(sums);
         flux = updated;
-        let optimizer_queued = start.elapsed().as_secs_f64() - losses_read;
+        let optimizer_queued = start.elapsed().as_secs_f64() - losses_read - gradients_read;
         step += 1;
         if let Some(measured) = &mut measured {
             // Before anything of the step is saved: a budget too small stops the run here.
@@ -300,12 +300,13 @@ where
         }
         progress.step(step, loss, lr, seconds, &memory);
         // Host time, up to the loss's read (which waits for the backward to finish on the
-        // device), then for the optimizer (which waits for the gradients' norm and queues the
-        // update): where the step's time goes beside the device's own work.
+        // device), for the last gradients to reach host memory (with `train.gradients: host`),
+        // then for the optimizer (which waits for the gradients' norm and queues the update):
+        // where the step's time goes beside the device's own work.
         tracing::debug!(
-            "step {step}: to the loss {losses_read:.3} s, optimizer {optimizer_queued:.3} s, \
-             rest {:.3} s",
-            seconds - losses_read - optimizer_queued
+            "step {step}: to the loss {losses_read:.3} s, gradients to the host \
+             {gradients_read:.3} s, optimizer {optimizer_queued:.3} s, rest {:.3} s",
+            seconds - losses_read - gradients_read - optimizer_queued
         );
         if step % plan.logging.every == 0 || step == plan.train.steps {
             tracing::info!(

@@ -45,11 +45,7 @@ fn gradients_summed_in_host_memory_train_and_resume_as_in_the_graph() {
             Resume::Auto,
         )
         .unwrap();
-        let host = run(
-            &placed(dirs[1].path(), 4, optimizer, "host"),
-            Resume::Auto,
-        )
-        .unwrap();
+        let host = run(&placed(dirs[1].path(), 4, optimizer, "host"), Resume::Auto).unwrap();
         assert_eq!(host.losses, graph.losses, "{optimizer}");
         let graph = graph.lora.unwrap();
         assert_eq!(weights(&host.lora.unwrap()), weights(&graph), "{optimizer}");

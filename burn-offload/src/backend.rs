@@ -190,7 +190,7 @@ impl<B: StreamTarget> OffloadTensor<B> {
     /// The values, read from host memory for a streamed weight.
     pub(crate) async fn into_data(self) -> Result<TensorData, ExecutionError> {
         match self.repr {
-            Repr::Device(t) => B::float_into_data(t).await,
+            Repr::Device(t) => B::read_data(t).await,
             Repr::Streamed(s) => Ok(s.weight.decode()),
         }
     }

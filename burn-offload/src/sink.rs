@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, bf16, f16};
+use burn::tensor::{DType, Tensor, TensorPrimitive, bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::OffloadBackend;
@@ -26,6 +26,10 @@ use crate::target::StreamTarget;
 
 /// Values per task when a piece of a gradient is added to its sum.
 const SPAN: usize = 1 << 16;
+
+/// Bytes of gradients that may wait on the device for their copy: beyond it, the compute
+/// thread waits before it hands over another, so the device never holds more.
+const IN_FLIGHT: usize = 2 << 30;
 
 /// The sink a parameter's gradients go to, and its place there.
 pub(crate) struct SinkTag<B: StreamTarget> {
@@ -63,9 +67,8 @@ impl<B: StreamTarget> Clone for SinkTag<B> {
 /// let net = sink.attach(net);
 /// let grads = (burn_kernels::trainable(net.w.val()) * 3.0).sum().backward();
 /// assert!(net.w.grad(&grads).is_none());
-/// let taken = sink.take()?;
-/// assert_eq!(taken[0].0, "w");
-/// assert_eq!(taken[0].1.to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+/// let sums = sink.take()?;
+/// assert_eq!(sums.iter().collect::<Vec<_>>(), vec![("w", &[3.0f32, 3.0][..])]);
 /// # Ok::<(), burn_offload::OffloadError>(())
 /// ```
 pub struct GradientSink<B: StreamTarget> {
@@ -78,6 +81,7 @@ pub struct GradientSink<B: StreamTarget> {
 struct Job<B: StreamTarget> {
     index: usize,
     dtype: DType,
+    numel: usize,
     download: B::Download,
 }
 
@@ -91,17 +95,24 @@ struct Shared {
 struct Sums {
     paths: Vec<String>,
     by_path: HashMap<String, usize>,
-    /// Per parameter, the sum of the gradients since the last `take`, once one came.
+    /// Per parameter, the buffer of its sum (kept from step to step, so that its pages are
+    /// not faulted in again), `None` while the sink's thread adds to it.
     values: Vec<Option<Vec<f32>>>,
+    /// Per parameter, whether its buffer holds a sum since the last `take` (or stale values).
+    filled: Vec<bool>,
     /// Copies started and not yet added.
     pending: usize,
+    /// Their bytes.
+    pending_bytes: usize,
     /// The first copy that failed since the last `take`.
     error: Option<OffloadError>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Sums> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -120,15 +131,20 @@ impl<B: StreamTarget> GradientSink<B> {
                 .name("gradient-sink".into())
                 .spawn(move || {
                     for job in received {
-                        let index = job.index;
-                        let sum = shared.lock().values[index].take();
-                        let (sum, result) = add_download::<B>(sum, job, &mut staging);
+                        let (index, bytes) = (job.index, job.numel * job.dtype.size());
+                        let (sum, fresh) = {
+                            let mut state = shared.lock();
+                            let fresh = !std::mem::replace(&mut state.filled[index], true);
+                            (state.values[index].take(), fresh)
+                        };
+                        let (sum, result) = add_download::<B>(sum, fresh, job, &mut staging);
                         let mut state = shared.lock();
                         state.values[index] = Some(sum);
                         if let Err(error) = result {
                             state.error.get_or_insert(error);
                         }
                         state.pending -= 1;
+                        state.pending_bytes -= bytes;
                         shared.settled.notify_all();
                     }
                 })
@@ -160,9 +176,10 @@ impl<B: StreamTarget> GradientSink<B> {
     }
 
     /// Waits for the copies in flight and returns the sum of each parameter's gradients since
-    /// the last call, by module path, as flat f32 values, for the parameters that got any; the
-    /// sums start again from nothing. The first failed copy is the error.
-    pub fn take(&self) -> Result<Vec<(String, TensorData)>, OffloadError> {
+    /// the last call, for the parameters that got any; once the returned sums are dropped,
+    /// the next gradients start new ones. The first failed copy is the error (and the sums
+    /// start again too).
+    pub fn take(&self) -> Result<GradientSums<'_>, OffloadError> {
         let mut state = self.shared.lock();
         while state.pending > 0 {
             state = self
@@ -171,22 +188,11 @@ impl<B: StreamTarget> GradientSink<B> {
                 .wait(state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
-        let failed = state.error.take();
-        let sums = std::mem::take(&mut state.values);
-        state.values = vec![None; sums.len()];
-        if let Some(error) = failed {
+        if let Some(error) = state.error.take() {
+            state.filled.iter_mut().for_each(|filled| *filled = false);
             return Err(error);
         }
-        Ok(state
-            .paths
-            .iter()
-            .zip(sums)
-            .filter_map(|(path, sum)| {
-                let sum = sum?;
-                let len = sum.len();
-                Some((path.clone(), TensorData::new(sum, [len])))
-            })
-            .collect())
+        Ok(GradientSums { state })
     }
 
     /// The index of the parameter at `path`, registering it on first sight.
@@ -199,12 +205,26 @@ impl<B: StreamTarget> GradientSink<B> {
         state.paths.push(path.clone());
         state.by_path.insert(path, index);
         state.values.push(None);
+        state.filled.push(false);
         index
     }
 
-    /// Starts taking `grad`, a gradient of the parameter at `index`, to host memory.
+    /// Starts taking `grad`, a gradient of the parameter at `index`, to host memory, once the
+    /// gradients waiting for their copy take less than [`IN_FLIGHT`] bytes.
     pub(crate) fn send(&self, index: usize, grad: FloatTensor<B>) {
         let dtype = burn::tensor::TensorMetadata::dtype(&grad);
+        let numel = burn::tensor::TensorMetadata::shape(&grad).num_elements();
+        let bytes = numel * dtype.size();
+        {
+            let mut state = self.shared.lock();
+            while state.pending > 0 && state.pending_bytes + bytes > IN_FLIGHT {
+                state = self
+                    .shared
+                    .settled
+                    .wait(state)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+        }
         let download = match B::start_download(grad) {
             Ok(download) => download,
             Err(error) => {
@@ -212,18 +232,24 @@ impl<B: StreamTarget> GradientSink<B> {
                 return;
             }
         };
-        self.shared.lock().pending += 1;
+        {
+            let mut state = self.shared.lock();
+            state.pending += 1;
+            state.pending_bytes += bytes;
+        }
         let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
         let sent = jobs.as_ref().map(|jobs| {
             jobs.send(Job {
                 index,
                 dtype,
+                numel,
                 download,
             })
         });
         if !matches!(sent, Some(Ok(()))) {
             let mut state = self.shared.lock();
             state.pending -= 1;
+            state.pending_bytes -= bytes;
             state.error.get_or_insert(OffloadError::Device {
                 action: "handing a gradient to the sink's thread",
                 reason: "the thread has stopped".into(),
@@ -241,22 +267,22 @@ impl<B: StreamTarget> Drop for GradientSink<B> {
     }
 }
 
-/// `sum` plus the downloaded gradient of `job`, piece by piece (the gradient itself when there
-/// is no sum yet).
+/// `sum` plus the downloaded gradient of `job`, piece by piece (the gradient itself when the
+/// sum is `fresh`: its buffer holds a previous step's values, or none yet).
 fn add_download<B: StreamTarget>(
     sum: Option<Vec<f32>>,
+    fresh: bool,
     job: Job<B>,
     staging: &mut B::Staging,
 ) -> (Vec<f32>, Result<(), OffloadError>) {
-    let fresh = sum.is_none();
-    let mut sum = sum.unwrap_or_default();
+    // Zeroed pages from the allocator, first written by the parallel copy below.
+    let mut sum = sum
+        .filter(|sum| sum.len() == job.numel)
+        .unwrap_or_else(|| vec![0.0; job.numel]);
     let mut at = 0;
     let size = job.dtype.size();
     let result = B::finish_download(job.download, staging, &mut |bytes: &[u8]| {
         let values = bytes.len() / size;
-        if fresh {
-            sum.resize(at + values, 0.0);
-        }
         let Some(target) = sum.get_mut(at..at + values) else {
             return;
         };
@@ -287,16 +313,45 @@ fn add_download<B: StreamTarget>(
 
 /// Adds (or, `fresh`, writes) the values of `bytes`, of type `E`, into `target`.
 fn add<E: bytemuck::Pod + Send + Sync + Into<f32>>(target: &mut [f32], bytes: &[u8], fresh: bool) {
-    let values: Vec<E> = bytemuck::pod_collect_to_vec(bytes);
+    let size = size_of::<E>();
     target
         .par_chunks_mut(SPAN)
-        .zip(values.par_chunks(SPAN))
-        .for_each(|(target, values)| {
-            for (t, &v) in target.iter_mut().zip(values) {
-                let v: f32 = v.into();
+        .zip(bytes.par_chunks(SPAN * size))
+        .for_each(|(target, bytes)| {
+            for (t, b) in target.iter_mut().zip(bytes.chunks_exact(size)) {
+                let v: f32 = bytemuck::pod_read_unaligned::<E>(b).into();
                 *t = if fresh { v } else { *t + v };
             }
         });
+}
+
+/// The gradient sums of one step, by module path, as [`GradientSink::take`] hands them over;
+/// the sink's next gradients wait until they are dropped.
+pub struct GradientSums<'a> {
+    state: MutexGuard<'a, Sums>,
+}
+
+impl GradientSums<'_> {
+    /// Each parameter's module path and the sum of its gradients (flat f32 values), for the
+    /// parameters that got any since the last step.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[f32])> {
+        let state = &*self.state;
+        state
+            .paths
+            .iter()
+            .zip(&state.values)
+            .zip(&state.filled)
+            .filter_map(|((path, sum), &filled)| match (sum, filled) {
+                (Some(sum), true) => Some((path.as_str(), sum.as_slice())),
+                _ => None,
+            })
+    }
+}
+
+impl Drop for GradientSums<'_> {
+    fn drop(&mut self) {
+        self.state.filled.iter_mut().for_each(|f| *f = false);
+    }
 }
 
 /// Tags the parameters that require a gradient with their index in the sink.

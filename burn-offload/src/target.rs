@@ -8,6 +8,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use burn::backend::Flex;
+use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Bytes, TensorData};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
@@ -81,6 +82,20 @@ pub trait StreamTarget: FusedOps {
 
     /// Blocks until `fence` has passed.
     fn wait(fence: Self::Fence);
+
+    /// `data` as a tensor on `device`: what `float_from_data` of the decorator runs. By default
+    /// the backend's own upload.
+    fn upload_data(data: TensorData, device: &Self::Device) -> FloatTensor<Self> {
+        Self::float_from_data(data, device)
+    }
+
+    /// The values of `tensor`: what `float_into_data` of the decorator runs. By default the
+    /// backend's own read.
+    fn read_data(
+        tensor: FloatTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        Self::float_into_data(tensor)
+    }
 
     /// A copy of a device tensor into host memory, begun by
     /// [`start_download`](Self::start_download).
@@ -330,11 +345,9 @@ pub(crate) fn finish_read(
 pub(crate) fn read_now<B: burn::tensor::backend::Backend>(
     tensor: FloatTensor<B>,
 ) -> Result<TensorData, OffloadError> {
-    cubecl_common::future::block_on(B::float_into_data(tensor)).map_err(|e| {
-        OffloadError::Device {
-            action: "reading a tensor back from the device",
-            reason: format!("{e:?}"),
-        }
+    cubecl_common::future::block_on(B::float_into_data(tensor)).map_err(|e| OffloadError::Device {
+        action: "reading a tensor back from the device",
+        reason: format!("{e:?}"),
     })
 }
 

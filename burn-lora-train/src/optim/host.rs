@@ -9,7 +9,9 @@ use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData, bf16, f16};
 use rayon::prelude::*;
 
-use super::chunk::{Chunk, Moment, UpdateStep};
+use std::collections::BTreeMap;
+
+use super::chunk::{Chunk, Member, Moment, UpdateStep};
 use super::{BLOCK, CODE_POWER, upload};
 
 const _: () = assert!(
@@ -100,6 +102,84 @@ impl Scalars {
         let step = m_hat / (v_hat.sqrt() + self.epsilon);
         (m, v, master * self.decay - step * self.lr)
     }
+}
+
+/// The f32 sums of the `members`' gradients (in host memory, by path, taken out of `sums`)
+/// laid out as the chunk's flat gradient of `len` values in `dtype`, zeros elsewhere, converted
+/// on all cores; `None` when no member has one.
+pub fn gather_sums(
+    members: &[Member],
+    len: usize,
+    dtype: DType,
+    sums: &mut BTreeMap<String, &[f32]>,
+) -> Option<TensorData> {
+    match dtype {
+        DType::BF16 => gather_typed::<bf16>(members, len, sums),
+        DType::F16 => gather_typed::<f16>(members, len, sums),
+        _ => gather_typed::<f32>(members, len, sums),
+    }
+}
+
+fn gather_typed<T: Value>(
+    members: &[Member],
+    len: usize,
+    sums: &mut BTreeMap<String, &[f32]>,
+) -> Option<TensorData> {
+    let mut flat: Option<Vec<T>> = None;
+    for member in members {
+        let Some(sum) = sums.remove(&member.path) else {
+            continue;
+        };
+        let flat = flat.get_or_insert_with(|| vec![T::from_f32(0.0); len]);
+        flat[member.offset..member.offset + member.numel]
+            .par_chunks_mut(SPAN)
+            .zip(sum.par_chunks(SPAN))
+            .for_each(|(to, from)| {
+                for (t, &f) in to.iter_mut().zip(from) {
+                    *t = T::from_f32(f);
+                }
+            });
+    }
+    flat.map(|flat| TensorData::new(flat, [len]))
+}
+
+/// `values` (f32, bf16 or f16) as f32, converted on all cores.
+pub fn to_f32(values: TensorData) -> TensorData {
+    fn typed<T: Value>(values: &[T]) -> Vec<f32> {
+        values.par_iter().map(|v| v.to_f32()).collect()
+    }
+    let shape = values.shape.clone();
+    let converted = match values.dtype {
+        DType::BF16 => typed::<bf16>(values.as_slice().expect("bf16 values")),
+        DType::F16 => typed::<f16>(values.as_slice().expect("f16 values")),
+        _ => return values,
+    };
+    TensorData::new(converted, shape)
+}
+
+/// The sum of the squares of `values` (f32, bf16 or f16), rounded to f32: each task's part in
+/// f64, the parts added in order, so the result does not depend on the threads.
+pub fn square_sum(values: &TensorData) -> f32 {
+    fn typed<T: Value>(values: &[T]) -> f64 {
+        let parts: Vec<f64> = values
+            .par_chunks(SPAN)
+            .map(|part| {
+                part.iter()
+                    .map(|&v| {
+                        let v = f64::from(v.to_f32());
+                        v * v
+                    })
+                    .sum()
+            })
+            .collect();
+        parts.iter().sum()
+    }
+    let sum = match values.dtype {
+        DType::BF16 => typed::<bf16>(values.as_slice().expect("bf16 values")),
+        DType::F16 => typed::<f16>(values.as_slice().expect("f16 values")),
+        _ => typed::<f32>(values.as_slice().expect("f32 values")),
+    };
+    sum as f32
 }
 
 /// [`Chunk::update`] on the CPU's cores.

@@ -48,6 +48,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
+use std::time::{Duration, Instant};
 
 use burn::backend::Flex;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
@@ -155,6 +156,19 @@ pub trait StatePlacement<B: Backend>: Clone + std::fmt::Debug + Send + 'static {
     /// An updated parameter value back on `device`, in its dtype.
     fn to_model(tensor: Tensor<Self::State, 1>, device: &B::Device) -> Tensor<B, 1>;
 
+    /// The f32 master copy of a chunk's values, on the state's device.
+    fn master(values: Tensor<B, 1>) -> Tensor<Self::State, 1> {
+        Self::to_state(values).cast(FloatDType::F32)
+    }
+
+    /// A chunk's gradient `g` on the state's device, and its squared L2 norm as one f32 value
+    /// on `g`'s device.
+    fn gradient(g: Tensor<B, 1>) -> (Tensor<Self::State, 1>, Tensor<B, 1>);
+
+    /// [`gradient`](Self::gradient) of a chunk's gradient in host memory (flat, in the
+    /// parameters' dtype), its norm on `device`.
+    fn host_gradient(g: TensorData, device: &B::Device) -> (Tensor<Self::State, 1>, Tensor<B, 1>);
+
     /// One step of `chunk` with its gradient `g` (in the parameters' dtype, on the state's
     /// device); returns the new values in the parameters' dtype. By default Burn's tensor ops
     /// on the state's backend.
@@ -186,6 +200,15 @@ impl<B: Backend> StatePlacement<B> for OnDevice {
     fn to_model(tensor: Tensor<B, 1>, _device: &B::Device) -> Tensor<B, 1> {
         tensor
     }
+
+    fn gradient(g: Tensor<B, 1>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+        let sum = g.clone().cast(FloatDType::F32).square().sum();
+        (g, sum)
+    }
+
+    fn host_gradient(g: TensorData, device: &B::Device) -> (Tensor<B, 1>, Tensor<B, 1>) {
+        Self::gradient(upload(g, device))
+    }
 }
 
 /// The state in host memory, updated on the CPU.
@@ -205,6 +228,25 @@ impl<B: Backend> StatePlacement<B> for OnHost {
 
     fn to_model(tensor: Tensor<Flex, 1>, device: &B::Device) -> Tensor<B, 1> {
         upload(tensor.into_data(), device)
+    }
+
+    /// Converted on all cores.
+    fn master(values: Tensor<B, 1>) -> Tensor<Flex, 1> {
+        upload(host::to_f32(values.into_data()), &Default::default())
+    }
+
+    /// The norm on the host, on all cores, in a fixed order.
+    fn gradient(g: Tensor<B, 1>) -> (Tensor<Flex, 1>, Tensor<B, 1>) {
+        let device = g.device();
+        Self::host_gradient(g.into_data(), &device)
+    }
+
+    fn host_gradient(g: TensorData, device: &B::Device) -> (Tensor<Flex, 1>, Tensor<B, 1>) {
+        let sum = host::square_sum(&g);
+        (
+            upload(g, &Default::default()),
+            upload(TensorData::new(vec![sum], [1]), device),
+        )
     }
 
     fn update(chunk: &mut Chunk<Flex>, step: &UpdateStep, g: Tensor<Flex, 1>) -> Tensor<Flex, 1> {
@@ -236,21 +278,21 @@ pub const CHUNK: usize = 1 << 24;
 const SWAP_BYTES: usize = 1 << 30;
 
 /// A parameter's gradient, flattened.
-enum Grad<B: Backend> {
+enum Grad<'a, B: Backend> {
     /// On the parameters' device, in their dtype.
     Device(Tensor<B, 1>),
     /// Summed in host memory, in f32.
-    Host(TensorData),
+    Host(&'a [f32]),
 }
 
 /// A parameter the optimizer sees, in the module's visiting order.
-struct Entry<B: Backend> {
+struct Entry<'a, B: Backend> {
     path: String,
     dtype: DType,
     /// The parameter's values, flattened.
     value: Tensor<B, 1>,
     /// Its gradient, when it has one.
-    grad: Option<Grad<B>>,
+    grad: Option<Grad<'a, B>>,
 }
 
 /// AdamW over the parameters of a module that receive gradients, keyed by module path, with
@@ -316,9 +358,9 @@ impl PathStack {
 struct Entries<'a, B: Backend> {
     path: PathStack,
     grads: Option<&'a mut GradientsParams>,
-    host: BTreeMap<String, TensorData>,
+    host: BTreeMap<&'a str, &'a [f32]>,
     wanted: Option<&'a BTreeSet<String>>,
-    entries: Vec<Entry<B>>,
+    entries: Vec<Entry<'a, B>>,
 }
 
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for Entries<'_, AB::InnerBackend> {
@@ -335,7 +377,7 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Entries<'_, AB::InnerBackend> {
         let grad = match &mut self.grads {
             Some(grads) => match grads.remove::<AB::InnerBackend, D>(param.id) {
                 Some(grad) => Some(Grad::Device(flat(grad))),
-                None => match self.host.remove(&path) {
+                None => match self.host.remove(path.as_str()) {
                     Some(sum) => Some(Grad::Host(sum)),
                     None => return,
                 },
@@ -530,7 +572,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
                 len,
                 m: Moment::zeros(len, quantized, Which::First, &device),
                 v: Moment::zeros(len, quantized, Which::Second, &device),
-                master: P::to_state(flat).cast(FloatDType::F32),
+                master: P::master(flat),
                 members,
             });
         }
@@ -546,18 +588,17 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        self.step_with_host_gradients(module, grads, Vec::new(), lr)
+        self.step_with_host_gradients(module, grads, &[], lr)
     }
 
     /// [`step`](Self::step) where the gradients of some parameters were summed in host memory
-    /// instead (`host`: flat f32 values by module path, as burn-offload's `GradientSink` takes
-    /// them). A gradient reaches the update in the parameter's dtype either way, and its norm
-    /// is taken where the state lives.
+    /// instead (`host`: module paths and flat f32 values, as burn-offload's `GradientSums`
+    /// hands them over). A gradient reaches the update in the parameter's dtype either way.
     pub fn step_with_host_gradients<AB, M>(
         &mut self,
         module: M,
         mut grads: GradientsParams,
-        host: Vec<(String, TensorData)>,
+        host: &[(&str, &[f32])],
         lr: f64,
     ) -> (M, StepReport)
     where
@@ -567,7 +608,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         let mut visitor = Entries::<B> {
             path: PathStack::default(),
             grads: Some(&mut grads),
-            host: host.into_iter().collect(),
+            host: host.iter().copied().collect(),
             wanted: None,
             entries: Vec::new(),
         };
@@ -582,8 +623,9 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
                 },
             );
         };
+        let started = Instant::now();
         self.add_chunks(&entries);
-        let state_device = P::state_device(&model_device);
+        let created = started.elapsed();
         let mut device_grads = BTreeMap::new();
         let mut host_grads = BTreeMap::new();
         for entry in entries {
@@ -597,33 +639,21 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
                 None => {}
             }
         }
-        // The gradients chunk by chunk, their squared norm (on the parameters' device, or
-        // where the state lives for a chunk with host gradients), then the gradients on the
-        // state's device in the parameters' dtype.
+        // The gradients chunk by chunk on the state's device in the parameters' dtype, and
+        // their squared norm (where `P` takes it).
         let mut flat_grads = Vec::with_capacity(self.chunks.len());
         let mut squares: Option<Tensor<B, 1>> = None;
         for chunk in &self.chunks {
             let on_device = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
                 device_grads.remove(&m.path)
             });
-            let on_host = gather(&chunk.members, chunk.len, chunk.dtype, |m| {
-                let sum = host_grads.remove(&m.path)?;
-                let sum: Tensor<P::State, 1> = upload(sum, &state_device);
-                Some(sum.cast(chunk.dtype))
-            });
-            let (sum, flat) = match (on_device, on_host) {
-                (Some(g), None) => (
-                    g.clone().cast(FloatDType::F32).square().sum(),
-                    P::to_state(g),
-                ),
-                (on_device, Some(on_host)) => {
-                    let g = match on_device {
-                        Some(g) => P::to_state(g) + on_host,
-                        None => on_host,
-                    };
-                    let sum = g.clone().cast(FloatDType::F32).square().sum();
-                    (upload(sum.into_data(), &model_device), g)
-                }
+            let on_host =
+                host::gather_sums(&chunk.members, chunk.len, chunk.dtype, &mut host_grads)
+                    .map(|flat| P::host_gradient(flat, &model_device));
+            // Members have a gradient in one place or the other: the two parts add up.
+            let (flat, sum) = match (on_device.map(P::gradient), on_host) {
+                (Some(part), None) | (None, Some(part)) => part,
+                (Some((g, sum)), Some((h, host_sum))) => (g + h, sum + host_sum),
                 (None, None) => {
                     flat_grads.push(None);
                     continue;
@@ -636,6 +666,7 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             flat_grads.push(Some(flat));
         }
         let grad_norm = squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
+        let gathered = started.elapsed();
         if !grad_norm.is_finite() {
             return (
                 module,
@@ -659,14 +690,28 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         };
         let mut module = module;
         let mut swap = Swap::new(self.swap_bytes);
+        let mut updating = Duration::ZERO;
         for (chunk, g) in self.chunks.iter_mut().zip(flat_grads) {
             if let Some(g) = g {
-                let out = P::to_model(P::update(chunk, &step, g), &model_device);
+                let start = Instant::now();
+                let new = P::update(chunk, &step, g);
+                updating += start.elapsed();
+                let out = P::to_model(new, &model_device);
                 module = swap.add(module, &chunk.members, &out);
             }
         }
+        let module = swap.finish(module);
+        // Host times: where the state is on the device, they are the time to queue the work.
+        tracing::debug!(
+            "optimizer: state created {:.3} s, gradients and their norm {:.3} s, update {:.3} \
+             s, new values into the model {:.3} s",
+            created.as_secs_f64(),
+            (gathered - created).as_secs_f64(),
+            updating.as_secs_f64(),
+            (started.elapsed() - gathered - updating).as_secs_f64(),
+        );
         (
-            swap.finish(module),
+            module,
             StepReport {
                 grad_norm,
                 applied: true,
@@ -847,7 +892,7 @@ impl<B: Backend> PlacedAdamW<B> {
         &mut self,
         module: M,
         grads: GradientsParams,
-        host: Vec<(String, TensorData)>,
+        host: &[(&str, &[f32])],
         lr: f64,
     ) -> (M, StepReport)
     where

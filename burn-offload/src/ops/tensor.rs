@@ -60,11 +60,11 @@ impl<B: StreamTarget, P: PrefetchPolicy> FloatTensorOps<Self> for Offload<B, P> 
         tensor.as_inner().is_some_and(B::float_is_require_grad)
     }
 
+    fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        lift(B::upload_data(data, device))
+    }
+
     forward! {
-        lift fn float_from_data(
-            keep data: TensorData,
-            keep device: &Device<Self>,
-        ) -> FloatTensor<Self>;
         lift fn float_random(
             keep shape: Shape,
             keep distribution: Distribution,

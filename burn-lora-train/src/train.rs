@@ -423,6 +423,11 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
         if let Some(after) = self.stream.handed_out_beyond_weights() {
             self.measured.after = after;
         }
+        // The update's own transients (new values uploaded while the old are alive) left
+        // their pages in the pools, which the device's count still shows.
+        if let Some(now) = self.stream.memory_beyond_weights() {
+            self.measured.peak = self.measured.peak.max(now);
+        }
         let need = self.measured.headroom();
         if self.headroom.is_some_and(|planned| need <= planned) {
             return Ok(None);

@@ -323,8 +323,9 @@ fn fingerprint<P: StatePlacement<Flex>>(out: &Outcome<P>) -> Vec<(String, Vec<f6
 fn a_state_in_host_memory_trains_and_resumes_as_on_the_device() {
     // bf16 parameters: the master copies live with the state; clipping is exercised by `run`.
     // The host's update does each value's arithmetic in IEEE f32 on all cores; Flex's tensor
-    // ops may round a quotient differently in the last bit, so the two agree to f32 rounding
-    // carried over 8 steps, not bit for bit.
+    // ops may round a quotient differently in the last bit, and the host sums the gradients'
+    // squares in f64 where the device sums them in f32 (so the clipping factors differ in their
+    // last bits), so the two agree to f32 rounding carried over 8 steps, not bit for bit.
     for kind in [OptimizerKind::AdamW, OptimizerKind::AdamW8bit] {
         let device = run_on::<OnDevice>(kind, DType::BF16, 8, 0.999);
         let host = run_on::<OnHost>(kind, DType::BF16, 8, 0.999);
@@ -333,8 +334,8 @@ fn a_state_in_host_memory_trains_and_resumes_as_on_the_device() {
         for ((key, x), (key_b, y)) in a.iter().zip(&b) {
             assert_eq!(key, key_b);
             let scale = x.iter().fold(0f64, |m, v| m.max(v.abs()));
-            // 8-bit codes: at most one code apart; values: within 1 % of the tensor's scale
-            // (a bf16 weight one step apart), and identical for almost all.
+            // 8-bit codes: at most one code apart, and identical for almost all; values:
+            // within 1 % of the tensor's scale (a bf16 weight one step apart).
             let tolerance = if key.ends_with(".codes") {
                 1.0
             } else {
@@ -348,7 +349,7 @@ fn a_state_in_host_memory_trains_and_resumes_as_on_the_device() {
                 );
             }
             assert!(
-                apart * 100 <= x.len(),
+                !key.ends_with(".codes") || apart * 100 <= x.len(),
                 "{kind:?} {key}: {apart} of {} differ",
                 x.len()
             );

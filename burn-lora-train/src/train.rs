@@ -271,7 +271,7 @@ where
         let losses_read = start.elapsed().as_secs_f64();
         let sums = sink.as_ref().map(|sink| sink.take()).transpose()?;
         let gradients_read = start.elapsed().as_secs_f64() - losses_read;
-        let host_grads: Vec<(&str, &[f32])> = sums.iter().flat_map(|s| s.iter()).collect();
+        let host_grads: Vec<_> = sums.iter().flat_map(|s| s.iter()).collect();
         let (updated, stepped) = optimizer.step(flux, accumulator.grads(), &host_grads, lr);
         drop(sums);
         flux = updated;

@@ -93,7 +93,7 @@ pub use backend::{Lookahead, Offload, OffloadBackend, OffloadTensor, OnDemand, P
 pub use config::{OffloadConfig, WireFormat};
 pub use error::OffloadError;
 pub use policy::{MemoryMeasurement, Route, ScheduleOutcome};
-pub use sink::{GradientSink, GradientSums};
+pub use sink::{GradientSink, GradientSums, HostGradient};
 pub use stats::{MemoryPlan, StepStats};
 pub use stream::WeightStream;
 pub use target::{MemoryProbe, StreamTarget};

@@ -5,7 +5,8 @@
 //! `burn_kernels::trainable`, whose backward hands the gradient to the sink instead of the
 //! autodiff graph. The compute thread only starts the copy ([`StreamTarget::start_download`]:
 //! on CUDA an asynchronous copy after the work submitted so far, on a stream of its own); a
-//! worker thread finishes it and adds the values, in f32, to the parameter's sum, so that the
+//! worker thread finishes it and adds the values to the parameter's sum, in the gradient's
+//! dtype (each addition in f32, rounded to nearest even, as the device adds them), so that the
 //! gradients of several micro-batches (and of several uses in one) accumulate there.
 //! [`GradientSink::take`] waits for the copies in flight and hands the sums over.
 
@@ -52,7 +53,7 @@ impl<B: StreamTarget> Clone for SinkTag<B> {
 /// use burn::backend::{Autodiff, Flex};
 /// use burn::module::Param;
 /// use burn::tensor::Tensor;
-/// use burn_offload::{GradientSink, Offload};
+/// use burn_offload::{GradientSink, HostGradient, Offload};
 ///
 /// type B = Autodiff<Offload<Flex>>;
 /// #[derive(burn::module::Module, Debug)]
@@ -68,7 +69,8 @@ impl<B: StreamTarget> Clone for SinkTag<B> {
 /// let grads = (burn_kernels::trainable(net.w.val()) * 3.0).sum().backward();
 /// assert!(net.w.grad(&grads).is_none());
 /// let sums = sink.take()?;
-/// assert_eq!(sums.iter().collect::<Vec<_>>(), vec![("w", &[3.0f32, 3.0][..])]);
+/// let expected = HostGradient::F32(&[3.0, 3.0]);
+/// assert_eq!(sums.iter().collect::<Vec<_>>(), vec![("w", expected)]);
 /// # Ok::<(), burn_offload::OffloadError>(())
 /// ```
 pub struct GradientSink<B: StreamTarget> {
@@ -97,7 +99,7 @@ struct Sums {
     by_path: HashMap<String, usize>,
     /// Per parameter, the buffer of its sum (kept from step to step, so that its pages are
     /// not faulted in again), `None` while the sink's thread adds to it.
-    values: Vec<Option<Vec<f32>>>,
+    values: Vec<Option<SumBuffer>>,
     /// Per parameter, whether its buffer holds a sum since the last `take` (or stale values).
     filled: Vec<bool>,
     /// Copies started and not yet added.
@@ -139,7 +141,7 @@ impl<B: StreamTarget> GradientSink<B> {
                         };
                         let (sum, result) = add_download::<B>(sum, fresh, job, &mut staging);
                         let mut state = shared.lock();
-                        state.values[index] = Some(sum);
+                        state.values[index] = sum;
                         if let Err(error) = result {
                             state.error.get_or_insert(error);
                         }
@@ -267,62 +269,131 @@ impl<B: StreamTarget> Drop for GradientSink<B> {
     }
 }
 
-/// `sum` plus the downloaded gradient of `job`, piece by piece (the gradient itself when the
-/// sum is `fresh`: its buffer holds a previous step's values, or none yet).
-fn add_download<B: StreamTarget>(
-    sum: Option<Vec<f32>>,
-    fresh: bool,
-    job: Job<B>,
-    staging: &mut B::Staging,
-) -> (Vec<f32>, Result<(), OffloadError>) {
-    // Zeroed pages from the allocator, first written by the parallel copy below.
-    let mut sum = sum
-        .filter(|sum| sum.len() == job.numel)
-        .unwrap_or_else(|| vec![0.0; job.numel]);
-    let mut at = 0;
-    let size = job.dtype.size();
-    let result = B::finish_download(job.download, staging, &mut |bytes: &[u8]| {
-        let values = bytes.len() / size;
-        let Some(target) = sum.get_mut(at..at + values) else {
-            return;
-        };
-        match job.dtype {
-            DType::F32 => add::<f32>(target, bytes, fresh),
-            DType::BF16 => add::<bf16>(target, bytes, fresh),
-            DType::F16 => add::<f16>(target, bytes, fresh),
-            _ => {}
-        }
-        at += values;
-    });
-    let result = result.and_then(|()| {
-        if at == sum.len() && matches!(job.dtype, DType::F32 | DType::BF16 | DType::F16) {
-            Ok(())
-        } else {
-            Err(OffloadError::Device {
-                action: "adding a gradient to its sum",
-                reason: format!(
-                    "{at} values of {:?} for a sum of {} values",
-                    job.dtype,
-                    sum.len()
-                ),
-            })
-        }
-    });
-    (sum, result)
+/// The values of a gradient sum, in the gradients' dtype.
+enum SumBuffer {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
 }
 
-/// Adds (or, `fresh`, writes) the values of `bytes`, of type `E`, into `target`.
-fn add<E: bytemuck::Pod + Send + Sync + Into<f32>>(target: &mut [f32], bytes: &[u8], fresh: bool) {
-    let size = size_of::<E>();
-    target
+impl SumBuffer {
+    /// Zeros (pages from the allocator, first written by the parallel copy that fills them).
+    fn zeros(dtype: DType, numel: usize) -> Option<Self> {
+        Some(match dtype {
+            DType::F32 => Self::F32(vec![0.0; numel]),
+            DType::BF16 => Self::Bf16(vec![bf16::ZERO; numel]),
+            DType::F16 => Self::F16(vec![f16::ZERO; numel]),
+            _ => return None,
+        })
+    }
+
+    fn fits(&self, dtype: DType, numel: usize) -> bool {
+        match self {
+            Self::F32(v) => dtype == DType::F32 && v.len() == numel,
+            Self::Bf16(v) => dtype == DType::BF16 && v.len() == numel,
+            Self::F16(v) => dtype == DType::F16 && v.len() == numel,
+        }
+    }
+
+    fn view(&self) -> HostGradient<'_> {
+        match self {
+            Self::F32(v) => HostGradient::F32(v),
+            Self::Bf16(v) => HostGradient::Bf16(v),
+            Self::F16(v) => HostGradient::F16(v),
+        }
+    }
+
+    /// Writes (`fresh`) or adds `bytes`, values of the buffer's dtype, from value `at` on.
+    fn add(&mut self, at: usize, bytes: &[u8], fresh: bool) -> usize {
+        match self {
+            Self::F32(v) => add_values(&mut v[at..], bytes, fresh),
+            Self::Bf16(v) => add_values(&mut v[at..], bytes, fresh),
+            Self::F16(v) => add_values(&mut v[at..], bytes, fresh),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+}
+
+/// A float type a gradient sum holds.
+trait SumValue: bytemuck::Pod + Send + Sync {
+    fn add(self, other: Self) -> Self;
+}
+
+impl SumValue for f32 {
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+impl SumValue for bf16 {
+    fn add(self, other: Self) -> Self {
+        bf16::from_f32(self.to_f32() + other.to_f32())
+    }
+}
+
+impl SumValue for f16 {
+    fn add(self, other: Self) -> Self {
+        f16::from_f32(self.to_f32() + other.to_f32())
+    }
+}
+
+/// Writes (`fresh`) or adds the values of `bytes` into the start of `target`, on all cores;
+/// returns how many.
+fn add_values<T: SumValue>(target: &mut [T], bytes: &[u8], fresh: bool) -> usize {
+    let size = size_of::<T>();
+    let count = (bytes.len() / size).min(target.len());
+    target[..count]
         .par_chunks_mut(SPAN)
         .zip(bytes.par_chunks(SPAN * size))
         .for_each(|(target, bytes)| {
             for (t, b) in target.iter_mut().zip(bytes.chunks_exact(size)) {
-                let v: f32 = bytemuck::pod_read_unaligned::<E>(b).into();
-                *t = if fresh { v } else { *t + v };
+                let v = bytemuck::pod_read_unaligned::<T>(b);
+                *t = if fresh { v } else { t.add(v) };
             }
         });
+    count
+}
+
+/// `sum` plus the downloaded gradient of `job`, piece by piece (the gradient itself when the
+/// sum is `fresh`: its buffer holds a previous step's values, or none yet).
+fn add_download<B: StreamTarget>(
+    sum: Option<SumBuffer>,
+    fresh: bool,
+    job: Job<B>,
+    staging: &mut B::Staging,
+) -> (Option<SumBuffer>, Result<(), OffloadError>) {
+    let unsupported = || OffloadError::Device {
+        action: "adding a gradient to its sum",
+        reason: format!("gradients of dtype {:?} are not summed", job.dtype),
+    };
+    let sum = sum
+        .filter(|sum| sum.fits(job.dtype, job.numel))
+        .or_else(|| SumBuffer::zeros(job.dtype, job.numel));
+    let Some(mut sum) = sum else {
+        return (None, Err(unsupported()));
+    };
+    let mut at = 0;
+    let result = B::finish_download(job.download, staging, &mut |bytes: &[u8]| {
+        at += sum.add(at, bytes, fresh);
+    });
+    let result = result.and_then(|()| {
+        if at == sum.len() {
+            Ok(())
+        } else {
+            Err(OffloadError::Device {
+                action: "adding a gradient to its sum",
+                reason: format!("{at} values for a sum of {} values", sum.len()),
+            })
+        }
+    });
+    (Some(sum), result)
 }
 
 /// The gradient sums of one step, by module path, as [`GradientSink::take`] hands them over;
@@ -332,9 +403,9 @@ pub struct GradientSums<'a> {
 }
 
 impl GradientSums<'_> {
-    /// Each parameter's module path and the sum of its gradients (flat f32 values), for the
-    /// parameters that got any since the last step.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &[f32])> {
+    /// Each parameter's module path and the sum of its gradients (flat, in the gradients'
+    /// dtype), for the parameters that got any since the last step.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, HostGradient<'_>)> {
         let state = &*self.state;
         state
             .paths
@@ -342,9 +413,36 @@ impl GradientSums<'_> {
             .zip(&state.values)
             .zip(&state.filled)
             .filter_map(|((path, sum), &filled)| match (sum, filled) {
-                (Some(sum), true) => Some((path.as_str(), sum.as_slice())),
+                (Some(sum), true) => Some((path.as_str(), sum.view())),
                 _ => None,
             })
+    }
+}
+
+/// A gradient sum in host memory: flat values in the gradients' dtype.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HostGradient<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bfloat16 values.
+    Bf16(&'a [bf16]),
+    /// float16 values.
+    F16(&'a [f16]),
+}
+
+impl HostGradient<'_> {
+    /// Values in the sum.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether the sum has no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

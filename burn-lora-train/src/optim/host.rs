@@ -11,6 +11,8 @@ use rayon::prelude::*;
 
 use std::collections::BTreeMap;
 
+use burn_offload::HostGradient;
+
 use super::chunk::{Chunk, Member, Moment, UpdateStep};
 use super::{BLOCK, CODE_POWER, upload};
 
@@ -104,14 +106,14 @@ impl Scalars {
     }
 }
 
-/// The f32 sums of the `members`' gradients (in host memory, by path, taken out of `sums`)
-/// laid out as the chunk's flat gradient of `len` values in `dtype`, zeros elsewhere, converted
-/// on all cores; `None` when no member has one.
+/// The sums of the `members`' gradients (in host memory, by path, taken out of `sums`) laid
+/// out as the chunk's flat gradient of `len` values in `dtype`, zeros elsewhere, converted on
+/// all cores; `None` when no member has one.
 pub fn gather_sums(
     members: &[Member],
     len: usize,
     dtype: DType,
-    sums: &mut BTreeMap<String, &[f32]>,
+    sums: &mut BTreeMap<String, HostGradient<'_>>,
 ) -> Option<TensorData> {
     match dtype {
         DType::BF16 => gather_typed::<bf16>(members, len, sums),
@@ -123,7 +125,7 @@ pub fn gather_sums(
 fn gather_typed<T: Value>(
     members: &[Member],
     len: usize,
-    sums: &mut BTreeMap<String, &[f32]>,
+    sums: &mut BTreeMap<String, HostGradient<'_>>,
 ) -> Option<TensorData> {
     let mut flat: Option<Vec<T>> = None;
     for member in members {
@@ -131,16 +133,25 @@ fn gather_typed<T: Value>(
             continue;
         };
         let flat = flat.get_or_insert_with(|| vec![T::from_f32(0.0); len]);
-        flat[member.offset..member.offset + member.numel]
-            .par_chunks_mut(SPAN)
-            .zip(sum.par_chunks(SPAN))
-            .for_each(|(to, from)| {
-                for (t, &f) in to.iter_mut().zip(from) {
-                    *t = T::from_f32(f);
-                }
-            });
+        let to = &mut flat[member.offset..member.offset + member.numel];
+        match sum {
+            HostGradient::F32(from) => convert(to, from),
+            HostGradient::Bf16(from) => convert(to, from),
+            HostGradient::F16(from) => convert(to, from),
+        }
     }
     flat.map(|flat| TensorData::new(flat, [len]))
+}
+
+/// `from`'s values into `to`, each rounded to `T` to nearest even, on all cores.
+fn convert<T: Value, S: Value>(to: &mut [T], from: &[S]) {
+    to.par_chunks_mut(SPAN)
+        .zip(from.par_chunks(SPAN))
+        .for_each(|(to, from)| {
+            for (t, &f) in to.iter_mut().zip(from) {
+                *t = T::from_f32(f.to_f32());
+            }
+        });
 }
 
 /// `values` (f32, bf16 or f16) as f32, converted on all cores.

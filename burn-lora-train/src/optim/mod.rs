@@ -56,6 +56,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend, BackendTypes};
 use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 
+use burn_offload::HostGradient;
+
 use crate::config::{OptimizerKind, OptimizerState, SchedulerKind, TrainSettings};
 
 mod chunk;
@@ -281,8 +283,8 @@ const SWAP_BYTES: usize = 1 << 30;
 enum Grad<'a, B: Backend> {
     /// On the parameters' device, in their dtype.
     Device(Tensor<B, 1>),
-    /// Summed in host memory, in f32.
-    Host(&'a [f32]),
+    /// Summed in host memory.
+    Host(HostGradient<'a>),
 }
 
 /// A parameter the optimizer sees, in the module's visiting order.
@@ -358,7 +360,7 @@ impl PathStack {
 struct Entries<'a, B: Backend> {
     path: PathStack,
     grads: Option<&'a mut GradientsParams>,
-    host: BTreeMap<&'a str, &'a [f32]>,
+    host: BTreeMap<&'a str, HostGradient<'a>>,
     wanted: Option<&'a BTreeSet<String>>,
     entries: Vec<Entry<'a, B>>,
 }
@@ -592,13 +594,13 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     }
 
     /// [`step`](Self::step) where the gradients of some parameters were summed in host memory
-    /// instead (`host`: module paths and flat f32 values, as burn-offload's `GradientSums`
-    /// hands them over). A gradient reaches the update in the parameter's dtype either way.
+    /// instead (`host`: module paths and flat values, as burn-offload's `GradientSums` hands
+    /// them over). A gradient reaches the update in the parameter's dtype either way.
     pub fn step_with_host_gradients<AB, M>(
         &mut self,
         module: M,
         mut grads: GradientsParams,
-        host: &[(&str, &[f32])],
+        host: &[(&str, HostGradient<'_>)],
         lr: f64,
     ) -> (M, StepReport)
     where
@@ -892,7 +894,7 @@ impl<B: Backend> PlacedAdamW<B> {
         &mut self,
         module: M,
         grads: GradientsParams,
-        host: &[(&str, &[f32])],
+        host: &[(&str, HostGradient<'_>)],
         lr: f64,
     ) -> (M, StepReport)
     where

@@ -487,3 +487,63 @@ where
         Param::from_mapped_value(id, tagged.require_grad(), mapper)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Distribution, Tensor};
+
+    type B = Autodiff<crate::Offload<Flex>>;
+
+    #[derive(burn::module::Module, Debug)]
+    struct Net<B: burn::tensor::backend::Backend> {
+        w: Param<Tensor<B, 2>>,
+        frozen: Param<Tensor<B, 2>>,
+    }
+
+    /// Three micro-batches: the sum is the graph's, added in the same order; a frozen
+    /// parameter sends nothing; once the sums are dropped, the next step starts anew.
+    #[test]
+    fn sums_are_the_graphs() {
+        let device = Default::default();
+        let random =
+            |shape: [usize; 2]| Tensor::<B, 2>::random(shape, Distribution::Default, &device);
+        let net = Net {
+            w: Param::from_tensor(random([3, 70]).require_grad()),
+            frozen: Param::from_tensor(random([70, 2])),
+        };
+        let x: Vec<Tensor<B, 2>> = (0..3).map(|_| random([5, 3])).collect();
+        let loss = |w: Tensor<B, 2>, x: &Tensor<B, 2>, f: Tensor<B, 2>| {
+            x.clone().matmul(w).matmul(f).powi_scalar(2).sum()
+        };
+        let mut expected: Option<Tensor<Flex, 2>> = None;
+        for x in &x {
+            let grads = loss(net.w.val(), x, net.frozen.val()).backward();
+            let g = net.w.grad(&grads).unwrap().into_data();
+            let g = Tensor::<Flex, 2>::from_data(g, &device);
+            expected = Some(match expected {
+                Some(sum) => sum + g,
+                None => g,
+            });
+        }
+        let expected: Vec<f32> = expected.unwrap().into_data().to_vec().unwrap();
+
+        let sink = GradientSink::<Flex>::new(&device).unwrap();
+        for round in 0..2 {
+            let net = sink.attach(net.clone());
+            for x in &x {
+                let w = burn_kernels::trainable(net.w.val());
+                let grads = loss(w, x, net.frozen.val()).backward();
+                assert!(net.w.grad(&grads).is_none());
+            }
+            let sums = sink.take().unwrap();
+            let taken: Vec<_> = sums.iter().collect();
+            assert_eq!(
+                taken,
+                vec![("w", HostGradient::F32(&expected))],
+                "round {round}"
+            );
+        }
+    }
+}

@@ -280,9 +280,9 @@ impl SumBuffer {
     /// Zeros (pages from the allocator, first written by the parallel copy that fills them).
     fn zeros(dtype: DType, numel: usize) -> Option<Self> {
         Some(match dtype {
-            DType::F32 => Self::F32(vec![0.0; numel]),
-            DType::BF16 => Self::Bf16(vec![bf16::ZERO; numel]),
-            DType::F16 => Self::F16(vec![f16::ZERO; numel]),
+            DType::F32 => Self::F32(bytemuck::zeroed_vec(numel)),
+            DType::BF16 => Self::Bf16(bytemuck::zeroed_vec(numel)),
+            DType::F16 => Self::F16(bytemuck::zeroed_vec(numel)),
             _ => return None,
         })
     }

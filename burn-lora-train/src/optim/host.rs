@@ -25,7 +25,7 @@ const _: () = assert!(
 const SPAN: usize = 1 << 14;
 
 /// A parameter dtype: read as f32, written back rounded to nearest even.
-trait Value: Copy + Send + Sync + burn::tensor::Element {
+trait Value: Copy + Send + Sync + bytemuck::Zeroable + burn::tensor::Element {
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;
 }
@@ -43,8 +43,13 @@ impl Value for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
+    /// `half`'s conversion (to nearest even; a NaN stays a quiet NaN of the same sign) without
+    /// its branches, so that the loops around it vectorize.
     fn from_f32(value: f32) -> Self {
-        bf16::from_f32(value)
+        let bits = value.to_bits();
+        let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+        let quiet = (bits >> 16) | 0x0040;
+        bf16::from_bits(if value.is_nan() { quiet } else { rounded } as u16)
     }
 }
 
@@ -60,7 +65,8 @@ impl Value for f16 {
 /// The scalars of the update, each rounded to f32 as Burn's scalar ops round them.
 #[derive(Clone, Copy)]
 struct Scalars {
-    grad_scale: Option<f32>,
+    /// 1 without clipping (a product by 1 is exact).
+    grad_scale: f32,
     beta1: f32,
     one_minus_beta1: f32,
     beta2: f32,
@@ -77,7 +83,7 @@ impl Scalars {
         let c = step.config;
         let t = step.t as i32;
         Self {
-            grad_scale: (step.grad_scale != 1.0).then_some(step.grad_scale as f32),
+            grad_scale: step.grad_scale as f32,
             beta1: c.beta1 as f32,
             one_minus_beta1: (1.0 - c.beta1) as f32,
             beta2: c.beta2 as f32,
@@ -93,10 +99,7 @@ impl Scalars {
     /// One value: the new `(m, v, weight)` from the old moments, the gradient and the master.
     #[inline]
     fn step(&self, m: f32, v: f32, g: f32, master: f32) -> (f32, f32, f32) {
-        let g = match self.grad_scale {
-            Some(scale) => g * scale,
-            None => g,
-        };
+        let g = g * self.grad_scale;
         let m = m * self.beta1 + g * self.one_minus_beta1;
         let v = v * self.beta2 + (g * g) * self.one_minus_beta2;
         let m_hat = m / self.correction1;
@@ -132,7 +135,8 @@ fn gather_typed<T: Value>(
         let Some(sum) = sums.remove(&member.path) else {
             continue;
         };
-        let flat = flat.get_or_insert_with(|| vec![T::from_f32(0.0); len]);
+        // Zeroed pages, touched first by the conversion on all cores.
+        let flat = flat.get_or_insert_with(|| bytemuck::zeroed_vec(len));
         let to = &mut flat[member.offset..member.offset + member.numel];
         match sum {
             HostGradient::F32(from) => convert(to, from),
@@ -224,8 +228,8 @@ fn update_typed<T: Value>(
     g: Tensor<Flex, 1>,
 ) -> Tensor<Flex, 1> {
     let device = g.device();
-    let len = chunk.len;
-    let g: Vec<T> = g
+    // The new values are written over the gradient, each value's after it was read.
+    let mut g: Vec<T> = g
         .into_data()
         .into_vec()
         .expect("a gradient in the parameters' dtype");
@@ -237,19 +241,17 @@ fn update_typed<T: Value>(
         &mut chunk.master,
         Tensor::empty([0], &device),
     ));
-    let mut out = vec![T::from_f32(0.0); len];
     match (taken(&mut chunk.m), taken(&mut chunk.v)) {
         (Moment::F32(m), Moment::F32(v)) => {
             let (mut m, mut v) = (floats(m), floats(v));
             m.par_chunks_mut(SPAN)
                 .zip(v.par_chunks_mut(SPAN))
                 .zip(master.par_chunks_mut(SPAN))
-                .zip(out.par_chunks_mut(SPAN))
-                .zip(g.par_chunks(SPAN))
-                .for_each(|((((m, v), master), out), g)| {
+                .zip(g.par_chunks_mut(SPAN))
+                .for_each(|(((m, v), master), g)| {
                     for i in 0..m.len() {
                         let (mi, vi, w) = s.step(m[i], v[i], g[i].to_f32(), master[i]);
-                        (m[i], v[i], master[i], out[i]) = (mi, vi, w, T::from_f32(w));
+                        (m[i], v[i], master[i], g[i]) = (mi, vi, w, T::from_f32(w));
                     }
                 });
             chunk.m = Moment::F32(vector(m, &device));
@@ -275,18 +277,24 @@ fn update_typed<T: Value>(
                 .zip(m_absmax.par_iter_mut())
                 .zip(v_absmax.par_iter_mut())
                 .zip(master.par_chunks_mut(BLOCK))
-                .zip(out.par_chunks_mut(BLOCK))
-                .zip(g.par_chunks(BLOCK))
-                .for_each(|((((((mc, vc), ma), va), master), out), g)| {
-                    let mut m = [0f32; BLOCK];
-                    let mut w = [0f32; BLOCK];
+                .zip(g.par_chunks_mut(BLOCK))
+                .for_each(|(((((mc, vc), ma), va), master), g)| {
+                    // Simple loops over whole blocks, which the compiler vectorizes.
+                    let (master, g): (&mut [f32; BLOCK], &mut [T; BLOCK]) = (
+                        master.try_into().expect("whole blocks"),
+                        g.try_into().expect("whole blocks"),
+                    );
+                    let (mut m, mut w) = ([0f32; BLOCK], [0f32; BLOCK]);
                     for i in 0..BLOCK {
-                        let m_old = decode_signed(mc[i], *ma);
-                        let v_old = decode_unsigned(vc[i], *va);
-                        let (mi, vi, wi) = s.step(m_old, v_old, g[i].to_f32(), master[i]);
-                        (m[i], w[i]) = (mi, vi.sqrt());
-                        master[i] = wi;
-                        out[i] = T::from_f32(wi);
+                        m[i] = decode_signed(mc[i], *ma);
+                        w[i] = decode_unsigned(vc[i], *va);
+                    }
+                    for i in 0..BLOCK {
+                        let (mi, vi, wi) = s.step(m[i], w[i], g[i].to_f32(), master[i]);
+                        (m[i], w[i], master[i]) = (mi, vi.sqrt(), wi);
+                    }
+                    for i in 0..BLOCK {
+                        g[i] = T::from_f32(master[i]);
                     }
                     *ma = encode_signed(&m, mc);
                     *va = encode_unsigned(&w, vc);
@@ -303,7 +311,7 @@ fn update_typed<T: Value>(
         _ => unreachable!("both moments of a chunk have one format"),
     }
     chunk.master = vector(master, &device);
-    vector(out, &device)
+    vector(g, &device)
 }
 
 /// `x^4`, as the tensor ops compute the code's power.
@@ -315,6 +323,15 @@ fn fourth_power(x: f32) -> f32 {
 /// `x^(1/4)`, as the tensor ops compute the code's root.
 fn fourth_root(x: f32) -> f32 {
     x.sqrt().sqrt()
+}
+
+/// `x` rounded to the nearest integer, ties to even, for `|x| < 2²²`: adding and taking away
+/// 1.5 · 2²³ leaves the integer that f32's own rounding (to nearest even) chose, without a call
+/// to the C library's `rintf` (x86-64's baseline has no rounding instruction), so that the
+/// loop around it vectorizes.
+fn round_even(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    (x + SHIFT) - SHIFT
 }
 
 /// Burn's `sign`.
@@ -358,7 +375,7 @@ fn encode<T>(
     let scale = absmax.max(f32::MIN_POSITIVE);
     for (c, &x) in codes.iter_mut().zip(values) {
         let y = x / scale;
-        *c = code(y, (fourth_root(y.abs()) * levels).round_ties_even());
+        *c = code(y, round_even(fourth_root(y.abs()) * levels));
     }
     absmax
 }
@@ -448,6 +465,46 @@ mod tests {
             "{case}: {apart} of {} differ",
             a.len()
         );
+    }
+
+    #[test]
+    fn the_bf16_conversion_is_halfs() {
+        // A stride through every f32 bit pattern, and every pattern around each rounding
+        // boundary of a few exponents.
+        let around = (0..=u16::MAX).flat_map(|hi| {
+            let base = u32::from(hi) << 16;
+            [
+                base,
+                base | 0x7FFF,
+                base | 0x8000,
+                base | 0x8001,
+                base | 0xFFFF,
+            ]
+        });
+        for bits in (0..=u32::MAX).step_by(65_537).chain(around) {
+            let x = f32::from_bits(bits);
+            assert_eq!(
+                <bf16 as Value>::from_f32(x).to_bits(),
+                bf16::from_f32(x).to_bits(),
+                "{bits:#010x}"
+            );
+        }
+    }
+
+    #[test]
+    fn rounding_by_shifting_is_rounding_to_nearest_even() {
+        // Every f32 in [0, 256] with at most 12 fraction bits (ties included), and around them.
+        for i in 0..=(256 << 12) {
+            let x = i as f32 / 4096.0;
+            for x in [
+                x,
+                -x,
+                f32::from_bits(x.to_bits() + 1),
+                f32::from_bits(x.to_bits().max(1) - 1),
+            ] {
+                assert_eq!(round_even(x), x.round_ties_even(), "{x}");
+            }
+        }
     }
 
     #[test]

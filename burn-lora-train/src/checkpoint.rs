@@ -404,7 +404,14 @@ pub(crate) fn read_tensors(
         path: path.to_path_buf(),
         reason,
     };
-    let bytes = std::fs::read(path).map_err(io_error(path))?;
+    // Mapped, not read: each tensor is then copied once, from the page cache.
+    let file = File::open(path).map_err(io_error(path))?;
+    if file.metadata().map_err(io_error(path))?.len() == 0 {
+        return Err(invalid("the file is empty".into()));
+    }
+    // SAFETY: the map is read-only and dropped before returning; checkpoint and cache files are
+    // replaced by rename, never modified in place.
+    let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(io_error(path))?;
     let tensors = SafeTensors::deserialize(&bytes).map_err(|e| invalid(e.to_string()))?;
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| invalid(e.to_string()))?;
     let mut views = tensors.tensors();

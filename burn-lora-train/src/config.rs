@@ -233,9 +233,9 @@ pub struct TrainSectionYaml {
     pub optimizer_state: String,
     /// `device` or `host`: where the adapters' gradients are summed: in the autodiff graph on
     /// the device, or in host memory, each copied there as the backward produces it (needs
-    /// `optimizer_state: host`).
-    #[serde(default = "defaults::optimizer_state")]
-    pub gradients: String,
+    /// `optimizer_state: host`); absent: where the optimizer state is.
+    #[serde(default)]
+    pub gradients: Option<String>,
     /// AdamW weight decay (decoupled).
     #[serde(default = "defaults::weight_decay")]
     pub weight_decay: f64,
@@ -657,7 +657,8 @@ pub enum OptimizerKind {
 pub enum OptimizerState {
     /// Beside the adapters, on their device.
     Device,
-    /// In host memory, updated on the CPU; the device holds the adapters and their gradients.
+    /// In host memory, updated on the CPU; the device holds the adapters (and, with the
+    /// gradients summed on the device, their gradients).
     Host,
 }
 
@@ -1012,7 +1013,7 @@ impl TrainPlan {
         shaping.train.steps = 0;
         // The saved state is the same wherever it lived.
         shaping.train.optimizer_state = defaults::optimizer_state();
-        shaping.train.gradients = defaults::optimizer_state();
+        shaping.train.gradients = None;
         shaping.save = defaults::section();
         shaping.logging = defaults::section();
         let json = serde_json::to_string(&shaping).expect("the configuration serializes to JSON");
@@ -1350,14 +1351,20 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
             ("host", OptimizerState::Host),
         ],
     );
-    let gradients = c.choose(
-        "train.gradients",
-        &t.gradients,
-        &[
-            ("device", GradientPlacement::Device),
-            ("host", GradientPlacement::Host),
-        ],
-    );
+    let gradients = match &t.gradients {
+        Some(word) => c.choose(
+            "train.gradients",
+            word,
+            &[
+                ("device", GradientPlacement::Device),
+                ("host", GradientPlacement::Host),
+            ],
+        ),
+        None => optimizer_state.map(|state| match state {
+            OptimizerState::Device => GradientPlacement::Device,
+            OptimizerState::Host => GradientPlacement::Host,
+        }),
+    };
     let gradients = match (gradients, optimizer_state) {
         (Some(GradientPlacement::Host), Some(OptimizerState::Device)) => {
             c.fail(

@@ -331,3 +331,35 @@ fn component_files_are_checked() {
         "{message}"
     );
 }
+
+#[test]
+fn the_gradients_follow_the_optimizer_state_unless_told() {
+    use burn_lora_train::config::{GradientPlacement, OptimizerState};
+    let c = case(GOOD);
+    let placement = |env: &[(&str, &str)]| {
+        let plan = load(&c.file, env).unwrap();
+        (plan.train.optimizer_state, plan.train.gradients)
+    };
+    assert_eq!(
+        placement(&[]),
+        (OptimizerState::Device, GradientPlacement::Device)
+    );
+    assert_eq!(
+        placement(&[("BURNLORA_TRAIN__OPTIMIZER_STATE", "host")]),
+        (OptimizerState::Host, GradientPlacement::Host)
+    );
+    assert_eq!(
+        placement(&[
+            ("BURNLORA_TRAIN__OPTIMIZER_STATE", "host"),
+            ("BURNLORA_TRAIN__GRADIENTS", "device"),
+        ]),
+        (OptimizerState::Host, GradientPlacement::Device)
+    );
+    let err = load(&c.file, &[("BURNLORA_TRAIN__GRADIENTS", "host")]).unwrap_err();
+    assert_eq!(err.problems.len(), 1, "{err}");
+    assert_eq!(err.problems[0].field, "train.gradients");
+    assert!(
+        err.problems[0].message.contains("optimizer_state: host"),
+        "{err}"
+    );
+}

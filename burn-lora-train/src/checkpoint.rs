@@ -15,12 +15,13 @@
 //! CRC-32, and its LoRA file has the recorded size and CRC-32: a file cut short or damaged is
 //! never taken for a checkpoint.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, TensorData};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, SafeTensors, View};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::DataPosition;
@@ -70,7 +71,7 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ 
 /// Everything needed to continue a run exactly where a checkpoint left it. The learning rate
 /// is a function of `step` ([`crate::optim::LrSchedule::lr`]), so the schedule needs nothing
 /// more.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct TrainingState {
     /// Optimizer steps completed.
     pub step: u64,
@@ -84,8 +85,80 @@ pub struct TrainingState {
     pub extra: serde_json::Value,
     /// Optimizer steps taken ([`crate::optim::AdamW::steps`]).
     pub optimizer_steps: u64,
-    /// Optimizer tensors ([`crate::optim::AdamW::to_tensors`]).
-    pub optimizer: Vec<(String, TensorData)>,
+    /// Optimizer tensors ([`crate::optim::AdamW::state_tensors`]).
+    pub optimizer: Vec<StateTensor>,
+}
+
+/// A tensor of a training state: values read from a checkpoint, or made (read from where the
+/// optimizer keeps them) each time they are needed, so that a save never holds a copy of the
+/// whole state.
+pub struct StateTensor {
+    /// Its key.
+    pub name: String,
+    /// The values' dtype.
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    values: Values,
+}
+
+enum Values {
+    Data(TensorData),
+    Lazy(Box<dyn Fn() -> TensorData + Send + Sync>),
+}
+
+impl StateTensor {
+    /// A tensor with these values.
+    pub fn from_data(name: String, data: TensorData) -> Self {
+        Self {
+            name,
+            dtype: data.dtype,
+            shape: data.shape.to_vec(),
+            values: Values::Data(data),
+        }
+    }
+
+    /// A tensor whose values `values` makes when they are needed (of `dtype` and `shape`).
+    pub fn lazy(
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        values: impl Fn() -> TensorData + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            dtype,
+            shape,
+            values: Values::Lazy(Box::new(values)),
+        }
+    }
+
+    /// The values.
+    pub fn values(&self) -> Cow<'_, TensorData> {
+        match &self.values {
+            Values::Data(data) => Cow::Borrowed(data),
+            Values::Lazy(make) => Cow::Owned(make()),
+        }
+    }
+
+    /// The name and the values.
+    pub fn into_named(self) -> (String, TensorData) {
+        let data = match self.values {
+            Values::Data(data) => data,
+            Values::Lazy(make) => make(),
+        };
+        (self.name, data)
+    }
+}
+
+impl std::fmt::Debug for StateTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateTensor")
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish()
+    }
 }
 
 /// The JSON kept in the state file's metadata.
@@ -192,12 +265,14 @@ impl RunDir {
         })?;
         let (lora_bytes, lora_crc32) = file_crc(&lora)?;
 
-        let mut tensors: Vec<(&str, &TensorData)> = state
-            .optimizer
-            .iter()
-            .map(|(k, d)| (k.as_str(), d))
-            .collect();
-        tensors.sort_by_key(|(k, _)| *k);
+        let mut tensors: Vec<&StateTensor> = state.optimizer.iter().collect();
+        tensors.sort_by_key(|t| t.name.as_str());
+        // One tensor's values at a time: once for the CRC, once more for the file.
+        let mut hasher = crc32fast::Hasher::new();
+        for tensor in &tensors {
+            hasher.update(tensor.name.as_bytes());
+            hasher.update(tensor.values().as_bytes());
+        }
         let meta = StateMeta {
             version: STATE_VERSION,
             step: state.step,
@@ -209,14 +284,14 @@ impl RunDir {
             lora_file: file_name(&lora),
             lora_bytes,
             lora_crc32,
-            tensors_crc32: tensors_crc(tensors.iter().map(|(k, d)| (*k, d.as_bytes()))),
+            tensors_crc32: hasher.finalize(),
         };
         let metadata = HashMap::from([(
             STATE_KEY.to_string(),
             serde_json::to_string(&meta).expect("the state serializes to JSON"),
         )]);
         let state_path = self.state_path(state.step);
-        write_tensors(&state_path, &tensors, metadata)?;
+        write_views(&state_path, tensors, metadata)?;
         self.prune(keep)?;
         Ok(Checkpoint {
             step: state.step,
@@ -322,7 +397,10 @@ impl RunDir {
                 config_fingerprint: meta.config_fingerprint,
                 extra: meta.extra,
                 optimizer_steps: meta.optimizer_steps,
-                optimizer,
+                optimizer: optimizer
+                    .into_iter()
+                    .map(|(name, data)| StateTensor::from_data(name, data))
+                    .collect(),
             },
         ))
     }
@@ -368,19 +446,32 @@ pub(crate) fn write_tensors(
     tensors: &[(&str, &TensorData)],
     metadata: HashMap<String, String>,
 ) -> Result<(), CheckpointError> {
+    let tensors: Vec<StateTensor> = tensors
+        .iter()
+        .map(|(name, data)| StateTensor::from_data(name.to_string(), (*data).clone()))
+        .collect();
+    write_views(path, tensors.iter().collect(), metadata)
+}
+
+/// [`write_tensors`] of tensors whose values are made as the file is written, one at a time.
+fn write_views(
+    path: &Path,
+    tensors: Vec<&StateTensor>,
+    metadata: HashMap<String, String>,
+) -> Result<(), CheckpointError> {
     write_atomically(path, |tmp| {
         let views = tensors
-            .iter()
-            .map(|(k, d)| {
-                let invalid = |reason: String| CheckpointError::Invalid {
-                    path: path.to_path_buf(),
-                    reason: format!("tensor `{k}`: {reason}"),
-                };
-                let dtype = to_safetensors_dtype(d.dtype)
-                    .ok_or_else(|| invalid(format!("dtype {:?} cannot be saved", d.dtype)))?;
-                let view = TensorView::new(dtype, d.shape.to_vec(), d.as_bytes())
-                    .map_err(|e| invalid(e.to_string()))?;
-                Ok((*k, view))
+            .into_iter()
+            .map(|tensor| {
+                let dtype =
+                    to_safetensors_dtype(tensor.dtype).ok_or_else(|| CheckpointError::Invalid {
+                        path: path.to_path_buf(),
+                        reason: format!(
+                            "tensor `{}`: dtype {:?} cannot be saved",
+                            tensor.name, tensor.dtype
+                        ),
+                    })?;
+                Ok((tensor.name.as_str(), LazyView { tensor, dtype }))
             })
             .collect::<Result<Vec<_>, CheckpointError>>()?;
         safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| {
@@ -390,6 +481,33 @@ pub(crate) fn write_tensors(
             }
         })
     })
+}
+
+/// A state tensor as safetensors writes it: its values made when they are written.
+struct LazyView<'a> {
+    tensor: &'a StateTensor,
+    dtype: Dtype,
+}
+
+impl View for LazyView<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.tensor.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.tensor.values() {
+            Cow::Borrowed(data) => Cow::Borrowed(data.as_bytes()),
+            Cow::Owned(data) => Cow::Owned(data.into_bytes().to_vec()),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.shape.iter().product::<usize>() * self.tensor.dtype.size()
+    }
 }
 
 /// Named tensors, as a safetensors file holds them.
@@ -503,15 +621,15 @@ mod tests {
             config_fingerprint: "00ff".into(),
             extra: serde_json::json!({ "nan_streak": 1 }),
             optimizer_steps: step,
+            // One tensor given, one made when written.
             optimizer: vec![
-                (
+                StateTensor::from_data(
                     "layer.m".into(),
                     TensorData::new(vec![step as f32, -0.5, 1e-30], [3]),
                 ),
-                (
-                    "layer.m.codes".into(),
-                    TensorData::new(vec![-127i8, 0, 5, 127], [4]),
-                ),
+                StateTensor::lazy("layer.m.codes".into(), DType::I8, vec![4], || {
+                    TensorData::new(vec![-127i8, 0, 5, 127], [4])
+                }),
             ],
         }
     }
@@ -546,11 +664,12 @@ mod tests {
         assert_eq!(loaded.extra, expected.extra);
         assert_eq!(loaded.config_fingerprint, expected.config_fingerprint);
         assert_eq!(loaded.optimizer_steps, 250);
-        for ((k1, d1), (k2, d2)) in loaded.optimizer.iter().zip(&expected.optimizer) {
-            assert_eq!(k1, k2);
-            assert_eq!(d1.dtype, d2.dtype);
-            assert_eq!(d1.shape, d2.shape);
-            assert_eq!(d1.as_bytes(), d2.as_bytes());
+        assert_eq!(loaded.optimizer.len(), expected.optimizer.len());
+        for (a, b) in loaded.optimizer.iter().zip(&expected.optimizer) {
+            assert_eq!((&a.name, a.dtype, &a.shape), (&b.name, b.dtype, &b.shape));
+            let (a, b) = (a.values(), b.values());
+            assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape));
+            assert_eq!(a.as_bytes(), b.as_bytes());
         }
         // Nothing temporary is left behind.
         let names: Vec<String> = std::fs::read_dir(run.path())

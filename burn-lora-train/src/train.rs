@@ -38,7 +38,7 @@ use burn_offload::{
 };
 
 use crate::cache;
-use crate::checkpoint::{RunDir, TrainingState};
+use crate::checkpoint::{RunDir, StateTensor, TrainingState};
 use crate::config::{GradientPlacement, TrainPlan};
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
@@ -198,7 +198,8 @@ where
                     found: state.config_fingerprint,
                 });
             }
-            flux = optimizer.restore(flux, state.optimizer_steps, state.optimizer)?;
+            let saved = state.optimizer.into_iter().map(StateTensor::into_named);
+            flux = optimizer.restore(flux, state.optimizer_steps, saved.collect())?;
             rng = Rng::from_state(state.rng);
             position = state.data;
             step = state.step;
@@ -329,7 +330,7 @@ where
                 config_fingerprint: plan.resume_fingerprint(),
                 extra: serde_json::json!({ "loss": loss }),
                 optimizer_steps: optimizer.steps(),
-                optimizer: optimizer.to_tensors(),
+                optimizer: optimizer.state_tensors(),
             };
             let set = burn_lora::export(
                 &flux,

@@ -16,7 +16,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_lora::{LoraConfig, LoraLinear, LoraMetadata, LoraPlan, SaveOptions};
-use burn_lora_train::checkpoint::{RunDir, TrainingState};
+use burn_lora_train::checkpoint::{RunDir, StateTensor, TrainingState};
 use burn_lora_train::config::{DatasetPlan, OptimizerKind, SchedulerKind, TimestepSampling};
 use burn_lora_train::dataset::{DataPosition, Dataset};
 use burn_lora_train::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -222,7 +222,7 @@ fn save_checkpoint(run: &Run, dir: &RunDir) {
         config_fingerprint: "stand-in".into(),
         extra: serde_json::Value::Null,
         optimizer_steps: run.optimizer.steps(),
-        optimizer: run.optimizer.to_tensors(),
+        optimizer: run.optimizer.state_tensors(),
     };
     let set = burn_lora::export(&run.model, LoraMetadata::default());
     let options = SaveOptions {
@@ -242,7 +242,15 @@ fn resume(kind: OptimizerKind, dir: &RunDir) -> Run {
     assert_eq!(burn_lora::load(&checkpoint.lora).unwrap().len(), 2);
     run.model = run
         .optimizer
-        .restore(run.model, state.optimizer_steps, state.optimizer)
+        .restore(
+            run.model,
+            state.optimizer_steps,
+            state
+                .optimizer
+                .into_iter()
+                .map(StateTensor::into_named)
+                .collect(),
+        )
         .unwrap();
     run.rng = Rng::from_state(state.rng);
     run.position = state.data;

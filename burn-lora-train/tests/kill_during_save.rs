@@ -5,8 +5,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use burn::tensor::TensorData;
-use burn_lora_train::checkpoint::{RunDir, TrainingState};
+use burn::tensor::{DType, TensorData};
+use burn_lora_train::checkpoint::{RunDir, StateTensor, TrainingState};
 use burn_lora_train::dataset::DataPosition;
 
 /// Set in the child process: the run folder to write checkpoints into until killed.
@@ -23,9 +23,11 @@ fn state(step: u64) -> TrainingState {
         config_fingerprint: String::new(),
         extra: serde_json::Value::Null,
         optimizer_steps: step,
-        optimizer: vec![(
+        optimizer: vec![StateTensor::lazy(
             "layer.m".into(),
-            TensorData::new(vec![step as f32; VALUES], [VALUES]),
+            DType::F32,
+            vec![VALUES],
+            move || TensorData::new(vec![step as f32; VALUES], [VALUES]),
         )],
     }
 }
@@ -77,7 +79,7 @@ fn a_killed_writer_leaves_only_valid_or_rejected_checkpoints() {
 
         let run = RunDir::create(dir.path(), "demo").unwrap();
         let (checkpoint, loaded) = run.resume().unwrap().expect("a valid checkpoint");
-        let values: Vec<f32> = loaded.optimizer[0].1.to_vec().unwrap();
+        let values: Vec<f32> = loaded.optimizer[0].values().to_vec().unwrap();
         assert_eq!(values.len(), VALUES);
         assert!(values.iter().all(|&v| v == loaded.step as f32));
         assert_eq!(loaded.rng, [loaded.step; 4]);

@@ -124,12 +124,15 @@ impl<B: Backend> Moment<B> {
     }
 
     /// The tensors to save, with their key suffixes.
-    pub fn to_data(&self, which: Which) -> Vec<(String, TensorData)> {
+    pub fn parts(&self, which: Which) -> Vec<(String, Part<B>)> {
         match self {
-            Self::F32(values) => vec![(which.name().to_string(), values.to_data())],
+            Self::F32(values) => vec![(which.name().to_string(), Part::Float(values.clone()))],
             Self::Q8 { codes, absmax } => vec![
-                (format!("{}.codes", which.name()), codes.to_data()),
-                (format!("{}.absmax", which.name()), absmax.to_data()),
+                (format!("{}.codes", which.name()), Part::Int(codes.clone())),
+                (
+                    format!("{}.absmax", which.name()),
+                    Part::Float(absmax.clone()),
+                ),
             ],
         }
     }
@@ -158,6 +161,41 @@ impl<B: Backend> Moment<B> {
                 tensor_bytes(codes.dims()[0], codes.dtype())
                     + tensor_bytes(absmax.dims()[0], absmax.dtype())
             }
+        }
+    }
+}
+
+/// One saved tensor of the state: float values or 8-bit codes.
+#[derive(Clone, Debug)]
+pub enum Part<B: Backend> {
+    /// f32 values.
+    Float(Tensor<B, 1>),
+    /// Codes.
+    Int(Tensor<B, 1, Int>),
+}
+
+impl<B: Backend> Part<B> {
+    /// The values' dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Float(t) => t.dtype(),
+            Self::Int(t) => t.dtype(),
+        }
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Float(t) => t.dims()[0],
+            Self::Int(t) => t.dims()[0],
+        }
+    }
+
+    /// The values, read where they live.
+    pub fn to_data(&self) -> TensorData {
+        match self {
+            Self::Float(t) => t.to_data(),
+            Self::Int(t) => t.to_data(),
         }
     }
 }

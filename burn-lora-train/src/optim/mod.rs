@@ -58,12 +58,13 @@ use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 
 use burn_offload::HostGradient;
 
+use crate::checkpoint::StateTensor;
 use crate::config::{OptimizerKind, OptimizerState, SchedulerKind, TrainSettings};
 
 mod chunk;
 mod host;
 
-use chunk::{Chunk, Member, Moment, UpdateStep, Which, gather, member_values, plan_chunks};
+use chunk::{Chunk, Member, Moment, Part, UpdateStep, Which, gather, member_values, plan_chunks};
 
 /// The 8-bit code stores `levels · y^(1 / CODE_POWER)` for a value at ratio `y` of its block's
 /// absmax (the root taken as two square roots, the power as two squares).
@@ -726,22 +727,31 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     /// of the parameter's whole blocks; `v.*` encodes `sqrt(v)`), and `<path>.master`, the
     /// exact f32 value of every optimized parameter (its master copy, or the parameter itself
     /// when it is f32), so that a resume is exact whatever dtype the LoRA file was saved in.
-    /// Reads the tensors back from the device.
-    pub fn to_tensors(&self) -> Vec<(String, TensorData)> {
+    /// Each tensor's values are read (from the device, where the state is there) only when a
+    /// checkpoint writes it, so that the state is never copied whole.
+    pub fn state_tensors(&self) -> Vec<StateTensor> {
         let mut out = Vec::new();
         for chunk in &self.chunks {
             for member in &chunk.members {
                 let path = &member.path;
                 for (which, moment) in [(Which::First, &chunk.m), (Which::Second, &chunk.v)] {
-                    for (suffix, data) in moment.member(member).to_data(which) {
-                        out.push((format!("{path}.{suffix}"), data));
+                    for (suffix, part) in moment.member(member).parts(which) {
+                        out.push(lazy(format!("{path}.{suffix}"), part));
                     }
                 }
-                let master = member_values(&chunk.master, member).to_data();
-                out.push((format!("{path}.master"), master));
+                let master = Part::Float(member_values(&chunk.master, member));
+                out.push(lazy(format!("{path}.master"), master));
             }
         }
         out
+    }
+
+    /// [`state_tensors`](Self::state_tensors) with their values, read now.
+    pub fn to_tensors(&self) -> Vec<(String, TensorData)> {
+        self.state_tensors()
+            .into_iter()
+            .map(StateTensor::into_named)
+            .collect()
     }
 
     /// Restores a state saved with [`AdamW::to_tensors`] after `steps` steps: checks every
@@ -871,6 +881,11 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
     }
 }
 
+/// A saved tensor whose values `part` reads when the checkpoint writes it.
+fn lazy<B: Backend>(name: String, part: Part<B>) -> StateTensor {
+    StateTensor::lazy(name, part.dtype(), vec![part.len()], move || part.to_data())
+}
+
 /// An [`AdamW`] whose state is on the device or in host memory, as chosen at run time.
 #[derive(Clone, Debug)]
 pub enum PlacedAdamW<B: Backend> {
@@ -915,11 +930,11 @@ impl<B: Backend> PlacedAdamW<B> {
         }
     }
 
-    /// [`AdamW::to_tensors`].
-    pub fn to_tensors(&self) -> Vec<(String, TensorData)> {
+    /// [`AdamW::state_tensors`].
+    pub fn state_tensors(&self) -> Vec<StateTensor> {
         match self {
-            Self::Device(o) => o.to_tensors(),
-            Self::Host(o) => o.to_tensors(),
+            Self::Device(o) => o.state_tensors(),
+            Self::Host(o) => o.state_tensors(),
         }
     }
 

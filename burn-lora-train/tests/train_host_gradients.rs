@@ -10,7 +10,7 @@ mod common;
 
 use std::path::Path;
 
-use burn_lora_train::config::{TrainPlan, TrainSettings};
+use burn_lora_train::config::TrainPlan;
 use burn_lora_train::train::Resume;
 use common::{run, weights};
 
@@ -53,13 +53,8 @@ fn gradients_summed_in_host_memory_train_and_resume_as_in_the_graph() {
         // Two steps with the gradients in host memory, then a resumed run to the fourth.
         let first = placed(dirs[2].path(), 2, optimizer, "host");
         run(&first, Resume::Auto).unwrap();
-        let second = TrainPlan {
-            train: TrainSettings {
-                steps: 4,
-                ..first.train.clone()
-            },
-            ..first
-        };
+        let mut second = first.clone();
+        second.train.steps = 4;
         let resumed = run(&second, Resume::Required).unwrap();
         assert_eq!(resumed.started_at, 2);
         assert_eq!(

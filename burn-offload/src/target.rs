@@ -311,45 +311,42 @@ impl StreamTarget for Flex {
         None
     }
 
-    type Download = TensorData;
-    type Staging = ();
-
-    fn download_staging(_device: &Self::Device) -> Result<(), OffloadError> {
-        Ok(())
-    }
-
-    /// Reads the values at once: the CPU has no other memory to copy from.
-    fn start_download(tensor: FloatTensor<Self>) -> Result<TensorData, OffloadError> {
-        read_now::<Self>(tensor)
-    }
-
-    fn finish_download(
-        download: TensorData,
-        _staging: &mut (),
-        read: &mut dyn FnMut(&[u8]),
-    ) -> Result<(), OffloadError> {
-        finish_read(download, read)
-    }
+    downloads_read_at_once!();
 }
 
-/// Hands values read at once to `read`: the download of a backend without a copy engine.
-pub(crate) fn finish_read(
-    download: TensorData,
-    read: &mut dyn FnMut(&[u8]),
-) -> Result<(), OffloadError> {
-    read(download.as_bytes());
-    Ok(())
-}
+/// The download methods of [`StreamTarget`] for a backend without a copy engine of its own:
+/// the values are read at once, through the backend's own path, when the download starts.
+macro_rules! downloads_read_at_once {
+    () => {
+        type Download = burn::tensor::TensorData;
+        type Staging = ();
 
-/// The values of `tensor`, read through the backend's own path, waiting for them.
-pub(crate) fn read_now<B: burn::tensor::backend::Backend>(
-    tensor: FloatTensor<B>,
-) -> Result<TensorData, OffloadError> {
-    cubecl_common::future::block_on(B::float_into_data(tensor)).map_err(|e| OffloadError::Device {
-        action: "reading a tensor back from the device",
-        reason: format!("{e:?}"),
-    })
+        fn download_staging(_device: &Self::Device) -> Result<(), $crate::OffloadError> {
+            Ok(())
+        }
+
+        fn start_download(
+            tensor: burn::tensor::ops::FloatTensor<Self>,
+        ) -> Result<burn::tensor::TensorData, $crate::OffloadError> {
+            cubecl_common::future::block_on(Self::float_into_data(tensor)).map_err(|e| {
+                $crate::OffloadError::Device {
+                    action: "reading a tensor back from the device",
+                    reason: format!("{e:?}"),
+                }
+            })
+        }
+
+        fn finish_download(
+            download: burn::tensor::TensorData,
+            _staging: &mut (),
+            read: &mut dyn FnMut(&[u8]),
+        ) -> Result<(), $crate::OffloadError> {
+            read(download.as_bytes());
+            Ok(())
+        }
+    };
 }
+pub(crate) use downloads_read_at_once;
 
 #[cfg(test)]
 mod tests {

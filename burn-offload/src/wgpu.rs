@@ -6,7 +6,6 @@
 
 use std::sync::Mutex;
 
-use burn::tensor::TensorData;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
@@ -16,7 +15,7 @@ use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 use cubecl_common::future::{DynFut, block_on};
 
 use crate::error::OffloadError;
-use crate::target::{StreamTarget, finish_read, read_now};
+use crate::target::{StreamTarget, downloads_read_at_once};
 use crate::weight::{HostMemory, HostWeight};
 
 /// The slots of a ring: the tensor each holds since its last fill, none after a poisoning.
@@ -116,23 +115,5 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .map(|usage| usage.bytes_in_use)
     }
 
-    type Download = TensorData;
-    type Staging = ();
-
-    fn download_staging(_device: &WgpuDevice) -> Result<(), OffloadError> {
-        Ok(())
-    }
-
-    /// Reads the values at once, through Burn's own path.
-    fn start_download(tensor: FloatTensor<Self>) -> Result<TensorData, OffloadError> {
-        read_now::<Self>(tensor)
-    }
-
-    fn finish_download(
-        download: TensorData,
-        _staging: &mut (),
-        read: &mut dyn FnMut(&[u8]),
-    ) -> Result<(), OffloadError> {
-        finish_read(download, read)
-    }
+    downloads_read_at_once!();
 }

@@ -15,6 +15,10 @@
 //! backward) stays on the device in between. Each step reports its traffic, waits and memory
 //! in [`StepStats`].
 //!
+//! A [`GradientSink`] takes the gradients of trainable parameters (read through
+//! `burn_kernels::trainable`) to host memory as the backward produces them, and sums them there,
+//! so that the device never holds them all.
+//!
 //! The crate is split into policy and mechanism: `policy` decides (schedule, residency plan,
 //! retention)
 //! and has no device code; `engine` executes with slots, fences and the loader thread;

@@ -41,10 +41,12 @@
 //!
 //! # Where the state lives ([`StatePlacement`])
 //! [`OnDevice`] keeps the moments and master copies beside the parameters and updates them
-//! there. [`OnHost`] keeps them in host memory and runs the update on the CPU (Flex): each step
-//! moves the gradients to the host in their dtype and the updated parameters back in theirs,
-//! and the device holds only the parameters and their gradients. Both run the same tensor ops,
-//! so on the CPU they give the same values bit for bit.
+//! there. [`OnHost`] keeps them in host memory and runs the update on the CPU, one pass per
+//! chunk on all cores with the same operations value by value: each step takes the gradients
+//! to the host in their dtype (or finds them there, summed by burn-offload's gradient sink:
+//! [`AdamW::step_with_host_gradients`]) and moves the updated parameters back in theirs. The
+//! host sums the gradients' squares in f64, the device in f32, so the two clip by factors that
+//! may differ in their last bits, and agree to f32 rounding.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;

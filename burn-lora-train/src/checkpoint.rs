@@ -141,6 +141,14 @@ impl StateTensor {
         }
     }
 
+    /// The values' bytes, as a file holds them.
+    fn bytes(&self) -> Cow<'_, [u8]> {
+        match self.values() {
+            Cow::Borrowed(data) => Cow::Borrowed(data.as_bytes()),
+            Cow::Owned(data) => Cow::Owned(data.into_bytes().to_vec()),
+        }
+    }
+
     /// The name and the values.
     pub fn into_named(self) -> (String, TensorData) {
         let data = match self.values {
@@ -267,12 +275,6 @@ impl RunDir {
 
         let mut tensors: Vec<&StateTensor> = state.optimizer.iter().collect();
         tensors.sort_by_key(|t| t.name.as_str());
-        // One tensor's values at a time: once for the CRC, once more for the file.
-        let mut hasher = crc32fast::Hasher::new();
-        for tensor in &tensors {
-            hasher.update(tensor.name.as_bytes());
-            hasher.update(tensor.values().as_bytes());
-        }
         let meta = StateMeta {
             version: STATE_VERSION,
             step: state.step,
@@ -284,14 +286,22 @@ impl RunDir {
             lora_file: file_name(&lora),
             lora_bytes,
             lora_crc32,
-            tensors_crc32: hasher.finalize(),
+            // One tensor's values at a time: once for the CRC, once more for the file.
+            tensors_crc32: tensors_crc(tensors.iter().map(|t| (t.name.as_str(), t.bytes()))),
         };
         let metadata = HashMap::from([(
             STATE_KEY.to_string(),
             serde_json::to_string(&meta).expect("the state serializes to JSON"),
         )]);
         let state_path = self.state_path(state.step);
-        write_views(&state_path, tensors, metadata)?;
+        let views = tensors
+            .iter()
+            .map(|t| {
+                let view = LazyView::new(t.dtype, t.shape.clone(), move || t.bytes());
+                (t.name.as_str(), view)
+            })
+            .collect();
+        write_views(&state_path, views, metadata)?;
         self.prune(keep)?;
         Ok(Checkpoint {
             step: state.step,
@@ -362,8 +372,11 @@ impl RunDir {
                 meta.version, meta.step
             )));
         }
-        if tensors_crc(optimizer.iter().map(|(k, v)| (k.as_str(), v.as_bytes())))
-            != meta.tensors_crc32
+        if tensors_crc(
+            optimizer
+                .iter()
+                .map(|(k, v)| (k.as_str(), Cow::Borrowed(v.as_bytes()))),
+        ) != meta.tensors_crc32
         {
             return Err(invalid(
                 "optimizer tensors do not match their CRC-32".into(),
@@ -446,34 +459,29 @@ pub(crate) fn write_tensors(
     tensors: &[(&str, &TensorData)],
     metadata: HashMap<String, String>,
 ) -> Result<(), CheckpointError> {
-    let tensors: Vec<StateTensor> = tensors
+    let views = tensors
         .iter()
-        .map(|(name, data)| StateTensor::from_data(name.to_string(), (*data).clone()))
+        .map(|&(name, data)| {
+            let bytes = move || Cow::Borrowed(data.as_bytes());
+            (name, LazyView::new(data.dtype, data.shape.to_vec(), bytes))
+        })
         .collect();
-    write_views(path, tensors.iter().collect(), metadata)
+    write_views(path, views, metadata)
 }
 
-/// [`write_tensors`] of tensors whose values are made as the file is written, one at a time.
+/// [`write_tensors`] of views whose bytes are taken as the file is written, one at a time.
 fn write_views(
     path: &Path,
-    tensors: Vec<&StateTensor>,
+    views: Vec<(&str, LazyView<'_>)>,
     metadata: HashMap<String, String>,
 ) -> Result<(), CheckpointError> {
+    if let Some((name, view)) = views.iter().find(|(_, view)| view.dtype.is_none()) {
+        return Err(CheckpointError::Invalid {
+            path: path.to_path_buf(),
+            reason: format!("tensor `{name}`: dtype {:?} cannot be saved", view.source),
+        });
+    }
     write_atomically(path, |tmp| {
-        let views = tensors
-            .into_iter()
-            .map(|tensor| {
-                let dtype =
-                    to_safetensors_dtype(tensor.dtype).ok_or_else(|| CheckpointError::Invalid {
-                        path: path.to_path_buf(),
-                        reason: format!(
-                            "tensor `{}`: dtype {:?} cannot be saved",
-                            tensor.name, tensor.dtype
-                        ),
-                    })?;
-                Ok((tensor.name.as_str(), LazyView { tensor, dtype }))
-            })
-            .collect::<Result<Vec<_>, CheckpointError>>()?;
         safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| {
             CheckpointError::Io {
                 path: tmp.to_path_buf(),
@@ -483,30 +491,42 @@ fn write_views(
     })
 }
 
-/// A state tensor as safetensors writes it: its values made when they are written.
+/// A tensor as safetensors writes it: its bytes taken when they are written.
 struct LazyView<'a> {
-    tensor: &'a StateTensor,
-    dtype: Dtype,
+    /// The dtype in the file, `None` where it has none for `source`.
+    dtype: Option<Dtype>,
+    source: DType,
+    shape: Vec<usize>,
+    bytes: Box<dyn Fn() -> Cow<'a, [u8]> + 'a>,
+}
+
+impl<'a> LazyView<'a> {
+    fn new(dtype: DType, shape: Vec<usize>, bytes: impl Fn() -> Cow<'a, [u8]> + 'a) -> Self {
+        Self {
+            dtype: to_safetensors_dtype(dtype),
+            source: dtype,
+            shape,
+            bytes: Box::new(bytes),
+        }
+    }
 }
 
 impl View for LazyView<'_> {
     fn dtype(&self) -> Dtype {
         self.dtype
+            .expect("write_views refuses dtypes a file cannot hold")
     }
 
     fn shape(&self) -> &[usize] {
-        &self.tensor.shape
+        &self.shape
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        match self.tensor.values() {
-            Cow::Borrowed(data) => Cow::Borrowed(data.as_bytes()),
-            Cow::Owned(data) => Cow::Owned(data.into_bytes().to_vec()),
-        }
+        (self.bytes)()
     }
 
     fn data_len(&self) -> usize {
-        self.tensor.shape.iter().product::<usize>() * self.tensor.dtype.size()
+        self.shape.iter().product::<usize>() * self.source.size()
     }
 }
 
@@ -561,11 +581,11 @@ fn file_crc(path: &Path) -> Result<(u64, u32), CheckpointError> {
 }
 
 /// CRC-32 over the names and bytes of tensors given in name order.
-fn tensors_crc<'a>(tensors: impl Iterator<Item = (&'a str, &'a [u8])>) -> u32 {
+fn tensors_crc<'a>(tensors: impl Iterator<Item = (&'a str, Cow<'a, [u8]>)>) -> u32 {
     let mut hasher = crc32fast::Hasher::new();
     for (name, bytes) in tensors {
         hasher.update(name.as_bytes());
-        hasher.update(bytes);
+        hasher.update(&bytes);
     }
     hasher.finalize()
 }

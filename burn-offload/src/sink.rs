@@ -75,8 +75,9 @@ impl<B: StreamTarget> Clone for SinkTag<B> {
 /// ```
 pub struct GradientSink<B: StreamTarget> {
     shared: Arc<Shared>,
-    jobs: Mutex<Option<Sender<Job<B>>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    /// Taken at drop, which ends the worker's loop.
+    jobs: Option<Sender<Job<B>>>,
+    worker: Option<JoinHandle<()>>,
 }
 
 /// A copy on its way to a parameter's sum.
@@ -114,6 +115,13 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Sums> {
         self.state
             .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The sums, once `waiting` no longer holds of them (the sink's thread settles copies).
+    fn wait_while(&self, waiting: impl FnMut(&mut Sums) -> bool) -> MutexGuard<'_, Sums> {
+        self.settled
+            .wait_while(self.lock(), waiting)
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
@@ -157,8 +165,8 @@ impl<B: StreamTarget> GradientSink<B> {
         };
         Ok(Arc::new(Self {
             shared,
-            jobs: Mutex::new(Some(jobs)),
-            worker: Mutex::new(Some(worker)),
+            jobs: Some(jobs),
+            worker: Some(worker),
         }))
     }
 
@@ -182,14 +190,7 @@ impl<B: StreamTarget> GradientSink<B> {
     /// the next gradients start new ones. The first failed copy is the error (and the sums
     /// start again too).
     pub fn take(&self) -> Result<GradientSums<'_>, OffloadError> {
-        let mut state = self.shared.lock();
-        while state.pending > 0 {
-            state = self
-                .shared
-                .settled
-                .wait(state)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-        }
+        let mut state = self.shared.wait_while(|state| state.pending > 0);
         if let Some(error) = state.error.take() {
             state.filled.iter_mut().for_each(|filled| *filled = false);
             return Err(error);
@@ -217,16 +218,10 @@ impl<B: StreamTarget> GradientSink<B> {
         let dtype = burn::tensor::TensorMetadata::dtype(&grad);
         let numel = burn::tensor::TensorMetadata::shape(&grad).num_elements();
         let bytes = numel * dtype.size();
-        {
-            let mut state = self.shared.lock();
-            while state.pending > 0 && state.pending_bytes + bytes > IN_FLIGHT {
-                state = self
-                    .shared
-                    .settled
-                    .wait(state)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-            }
-        }
+        drop(
+            self.shared
+                .wait_while(|state| state.pending > 0 && state.pending_bytes + bytes > IN_FLIGHT),
+        );
         let download = match B::start_download(grad) {
             Ok(download) => download,
             Err(error) => {
@@ -239,8 +234,7 @@ impl<B: StreamTarget> GradientSink<B> {
             state.pending += 1;
             state.pending_bytes += bytes;
         }
-        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = jobs.as_ref().map(|jobs| {
+        let sent = self.jobs.as_ref().map(|jobs| {
             jobs.send(Job {
                 index,
                 dtype,
@@ -262,8 +256,8 @@ impl<B: StreamTarget> GradientSink<B> {
 
 impl<B: StreamTarget> Drop for GradientSink<B> {
     fn drop(&mut self) {
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(worker) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        self.jobs.take();
+        if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
     }

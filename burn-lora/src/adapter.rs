@@ -225,14 +225,6 @@ impl<B: Backend> Adapter<B> {
         }
     }
 
-    /// The LoRA factors `(down, up)`, `None` for LoKr.
-    pub(crate) fn lora_factors(&self) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
-        match self {
-            Self::Lora(w) => Some((w.down.val(), w.up.val())),
-            Self::Lokr(_) => None,
-        }
-    }
-
     /// The adapter in file layout.
     pub fn to_stored(&self, geometry: &Geometry) -> StoredAdapter {
         let data = |p: &Param<Tensor<B, 2>>, shape: Vec<usize>| reshape(p.val().to_data(), shape);
@@ -619,7 +611,7 @@ mod tests {
         let device = Default::default();
         let g = linear_geometry(6, 16);
         let a = Adapter::<B>::init(&LoraConfig::new(4).into(), &g, &device, None);
-        let (down, up) = a.lora_factors().unwrap();
+        let (down, up) = a.forward_factors().unwrap();
         assert_eq!(down.dims(), [4, 16]);
         assert_eq!(up.dims(), [6, 4]);
         down.to_data().assert_within_range(-0.25..0.25);

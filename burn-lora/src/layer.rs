@@ -238,7 +238,7 @@ impl<B: Kernels> Adapted<B, Linear<B>> {
     }
 }
 
-impl<B: Backend> Adapted<B, Conv2d<B>> {
+impl<B: Kernels> Adapted<B, Conv2d<B>> {
     /// Applies the layer.
     ///
     /// # Shapes
@@ -253,7 +253,7 @@ impl<B: Backend> Adapted<B, Conv2d<B>> {
         let x = adapter.input(input);
         let g = self.base.geometry();
         let [kh, kw] = self.base.kernel_size;
-        let d = match adapter.lora_factors() {
+        let d = match adapter.forward_factors() {
             Some((down, up)) => {
                 let rank = down.dims()[0];
                 let h = self.conv_like_base(x, down.reshape([rank, g.in_features, kh, kw]));

@@ -56,12 +56,52 @@ pub(crate) fn place_or_upload<B: Backend, const D: usize>(
     }
 }
 
+/// How a tensor of the canonical layout is stored in a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// As the whole tensor.
+    Whole,
+    /// As block `index` of `parts` equal blocks of rows of a fused tensor (OpenCLIP's
+    /// `in_proj_weight`, the attention's q, k and v stacked).
+    Rows { index: usize, parts: usize },
+    /// As the transpose of the matrix (OpenCLIP's `text_projection`, applied as `x · W`).
+    Transposed,
+}
+
+impl Stored {
+    /// The canonical shape of a tensor stored as `shape`, or `None` when `shape` cannot hold
+    /// it.
+    fn canonical_shape(self, shape: &[usize]) -> Option<Vec<usize>> {
+        match (self, shape) {
+            (Self::Whole, _) => Some(shape.to_vec()),
+            (Self::Rows { parts, .. }, [rows, rest @ ..]) if rows.is_multiple_of(parts) => {
+                Some([&[rows / parts], rest].concat())
+            }
+            (Self::Transposed, [rows, cols]) => Some(vec![*cols, *rows]),
+            _ => None,
+        }
+    }
+
+    /// The canonical values of a tensor stored as `values` of `shape` (which
+    /// [`canonical_shape`](Self::canonical_shape) accepts).
+    fn canonical_values(self, values: Vec<f32>, shape: &[usize]) -> Vec<f32> {
+        match self {
+            Self::Whole => values,
+            Self::Rows { index, parts } => {
+                let block = values.len() / parts;
+                values[index * block..(index + 1) * block].to_vec()
+            }
+            Self::Transposed => transpose(&values, shape[0], shape[1]),
+        }
+    }
+}
+
 /// The tensors of a checkpoint under their canonical names.
 pub(crate) struct NamedTensors {
     files: Checkpoint,
     path: PathBuf,
-    /// Canonical name → key in the files.
-    keys: HashMap<String, String>,
+    /// Canonical name → key in the files and how the tensor is stored there.
+    keys: HashMap<String, (String, Stored)>,
 }
 
 impl NamedTensors {
@@ -74,19 +114,36 @@ impl NamedTensors {
         path: &Path,
         canonical: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, LoadError> {
+        Self::with_parts(files, path, |key| {
+            canonical(key)
+                .map(|name| (name, Stored::Whole))
+                .into_iter()
+                .collect()
+        })
+    }
+
+    /// Names the tensors of `files` as [`new`](Self::new) does, where a tensor of the files
+    /// may hold several canonical tensors, or hold one in another orientation: `canonical`
+    /// gives each canonical name a tensor holds and how (none for a tensor that is not the
+    /// model's).
+    pub fn with_parts(
+        files: Checkpoint,
+        path: &Path,
+        canonical: impl Fn(&str) -> Vec<(String, Stored)>,
+    ) -> Result<Self, LoadError> {
         let mut keys = HashMap::new();
         for entry in files.tensors() {
             if is_fp8_companion(entry.name) {
                 continue;
             }
-            let Some(name) = canonical(entry.name) else {
-                continue;
-            };
-            if let Some(previous) = keys.insert(name.clone(), entry.name.to_string()) {
-                return Err(LoadError::Config {
-                    file: path.to_path_buf(),
-                    message: format!("`{previous}` and `{}` both hold `{name}`", entry.name),
-                });
+            for (name, stored) in canonical(entry.name) {
+                let held = (entry.name.to_string(), stored);
+                if let Some((previous, _)) = keys.insert(name.clone(), held) {
+                    return Err(LoadError::Config {
+                        file: path.to_path_buf(),
+                        message: format!("`{previous}` and `{}` both hold `{name}`", entry.name),
+                    });
+                }
             }
         }
         Ok(Self {
@@ -103,8 +160,8 @@ impl NamedTensors {
 
     /// The shape of the tensor named `name`, if present.
     pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        let key = self.keys.get(name)?;
-        self.files.get(key).map(|t| t.shape.to_vec())
+        let (key, stored) = self.keys.get(name)?;
+        stored.canonical_shape(self.files.get(key)?.shape)
     }
 
     /// Fills every parameter of `model` from the tensor named by `name_of` (applied to the
@@ -273,20 +330,23 @@ impl<B: Backend, F> Filler<'_, '_, '_, B, F> {
     /// The value of the tensor `name` in Burn's layout (`shape`), or `None` after recording
     /// why it cannot be read.
     fn read(&mut self, name: &str, shape: &[usize], linear_weight: bool) -> Option<TensorData> {
-        let Some(key) = self.source.keys.get(name) else {
+        let Some((key, stored)) = self.source.keys.get(name) else {
             self.report.missing.push(name.to_string());
             return None;
         };
         let files = &self.source.files;
         let entry = files.get(key).expect("named keys come from the files");
         self.used.insert(name.to_string());
-        let fits = if linear_weight {
-            let [d_input, d_output] = [shape[0], shape[1]];
-            entry.shape.len() >= 2
-                && entry.shape[..2] == [d_output, d_input]
-                && entry.shape[2..].iter().all(|&s| s == 1)
-        } else {
-            entry.shape == shape
+        let found = stored.canonical_shape(entry.shape);
+        let fits = match &found {
+            Some(found) if linear_weight => {
+                let [d_input, d_output] = [shape[0], shape[1]];
+                found.len() >= 2
+                    && found[..2] == [d_output, d_input]
+                    && found[2..].iter().all(|&s| s == 1)
+            }
+            Some(found) => found == shape,
+            None => false,
         };
         if !fits {
             let expected = if linear_weight {
@@ -297,12 +357,12 @@ impl<B: Backend, F> Filler<'_, '_, '_, B, F> {
             self.report.mismatched.push(ShapeMismatch {
                 key: key.clone(),
                 expected,
-                found: entry.shape.to_vec(),
+                found: found.unwrap_or_else(|| entry.shape.to_vec()),
             });
             return None;
         }
         let values = match read_f32(files, &entry) {
-            Ok(values) => values,
+            Ok(values) => stored.canonical_values(values, entry.shape),
             Err(error) => {
                 self.failure.get_or_insert(error);
                 return None;
@@ -327,10 +387,11 @@ impl<B: Backend, F> Filler<'_, '_, '_, B, F> {
             .keys
             .iter()
             .filter(|(name, _)| !self.used.contains(*name))
-            .map(|(_, key)| key.clone())
+            .map(|(_, (key, _))| key.clone())
             .collect();
         self.report.missing.sort();
         self.report.unexpected.sort();
+        self.report.unexpected.dedup();
         if self.report.is_empty() {
             Ok(())
         } else {
@@ -657,6 +718,97 @@ mod tests {
                 key: "proj.weight".into(),
                 expected: vec![2, 3],
                 found: vec![3, 2],
+            }]
+        );
+    }
+
+    #[test]
+    fn fused_rows_and_transposed_matrices_load_as_their_canonical_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let fused: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let file = write(
+            dir.path(),
+            &[
+                ("fused.weight", vec![4, 3], fused),
+                ("fused.bias", vec![4], vec![1.0, 2.0, 3.0, 4.0]),
+                ("norm.weight", vec![2], vec![0.5, 1.5]),
+                ("norm.bias", vec![2], vec![-1.0, 1.0]),
+            ],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let second_half = Stored::Rows { index: 1, parts: 2 };
+        let tensors = NamedTensors::with_parts(files, &file, |key| match key {
+            "fused.weight" => vec![("proj.weight".into(), second_half)],
+            "fused.bias" => vec![("proj.bias".into(), second_half)],
+            other => vec![(other.to_string(), Stored::Whole)],
+        })
+        .unwrap();
+        assert_eq!(tensors.shape("proj.weight"), Some(vec![2, 3]));
+        let model = load_tiny(&tensors).unwrap();
+        let values = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
+        // Rows 2 and 3 of the fused [4, 3] matrix, as Burn's [d_input, d_output].
+        assert_eq!(
+            values(model.proj.weight.val()),
+            [6.0, 9.0, 7.0, 10.0, 8.0, 11.0]
+        );
+        let bias = model.proj.bias.unwrap().val().into_data();
+        assert_eq!(bias.to_vec::<f32>().unwrap(), [3.0, 4.0]);
+
+        // A matrix applied as x · W is stored [d_input, d_output], Burn's own layout.
+        let projection: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(
+            dir.path(),
+            &[
+                ("projection", vec![3, 2], projection.clone()),
+                ("proj.bias", vec![2], vec![0.0; 2]),
+                ("norm.weight", vec![2], vec![1.0; 2]),
+                ("norm.bias", vec![2], vec![0.0; 2]),
+            ],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let tensors = NamedTensors::with_parts(files, &file, |key| match key {
+            "projection" => vec![("proj.weight".into(), Stored::Transposed)],
+            other => vec![(other.to_string(), Stored::Whole)],
+        })
+        .unwrap();
+        assert_eq!(tensors.shape("proj.weight"), Some(vec![2, 3]));
+        let model = load_tiny(&tensors).unwrap();
+        assert_eq!(values(model.proj.weight.val()), projection);
+    }
+
+    #[test]
+    fn rows_that_do_not_split_evenly_are_a_shape_mismatch() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(
+            dir.path(),
+            &[
+                ("fused.weight", vec![5, 3], vec![0.0; 15]),
+                ("proj.bias", vec![2], vec![0.0; 2]),
+                ("norm.weight", vec![2], vec![1.0; 2]),
+                ("norm.bias", vec![2], vec![0.0; 2]),
+            ],
+        );
+        let files = Checkpoint::open(&file).unwrap();
+        let tensors = NamedTensors::with_parts(files, &file, |key| match key {
+            "fused.weight" => vec![
+                ("proj.weight".into(), Stored::Rows { index: 0, parts: 2 }),
+                ("unused.weight".into(), Stored::Rows { index: 1, parts: 2 }),
+            ],
+            other => vec![(other.to_string(), Stored::Whole)],
+        })
+        .unwrap();
+        let error = load_tiny(&tensors).unwrap_err();
+        let LoadError::Keys { report, .. } = error else {
+            panic!("expected a key report, got {error}");
+        };
+        assert_eq!(report.unexpected, ["fused.weight"]);
+        assert_eq!(
+            report.mismatched,
+            [ShapeMismatch {
+                key: "fused.weight".into(),
+                expected: vec![2, 3],
+                found: vec![5, 3],
             }]
         );
     }

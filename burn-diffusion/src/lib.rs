@@ -41,6 +41,7 @@ mod error;
 pub mod flux;
 pub mod flux2;
 pub mod pipeline;
+pub mod sdxl;
 pub mod t5;
 pub mod text_decoder;
 pub mod tokenize;

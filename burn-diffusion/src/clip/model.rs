@@ -13,10 +13,11 @@ use burn::tensor::activation::{gelu, sigmoid};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
 
+use super::keys::{SgmTextEncoder, canonical};
 use super::{ClipActivation, ClipTextConfig};
 use crate::blocks::{ScoreBias, attention};
 use crate::error::LoadError;
-use crate::weights::{NamedTensors, component_folder};
+use crate::weights::{KeyShapes, NamedTensors, component_folder};
 
 /// The eos id of older CLIP configs, which pool at the largest id of each row instead.
 const LEGACY_EOS_ID: u32 = 2;
@@ -119,6 +120,47 @@ impl<B: Kernels> ClipTextModel<B> {
         )
     }
 
+    /// Loads one of the two text encoders of SDXL's original (SGM) single file
+    /// (`sd_xl_base_1.0.safetensors`, see [`SgmTextEncoder`]), ignoring the file's other
+    /// components. The configuration is inferred from the tensors
+    /// ([`ClipTextConfig::from_keys`]) with the encoder's activation and, for bigG, the width of
+    /// its text projection. The weights go to `device` in `dtype`.
+    pub fn load_sgm(
+        path: &Path,
+        encoder: SgmTextEncoder,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<Self, LoadError> {
+        let files = Checkpoint::open(path)?;
+        let tensors = NamedTensors::with_parts(files, path, |key| encoder.canonical(key))?;
+        let shape = |name: &str| tensors.shape(name);
+        let inferred = ClipTextConfig::from_keys(path, tensors.names(), shape)?;
+        let projection_dim = match encoder {
+            SgmTextEncoder::ClipL => None,
+            SgmTextEncoder::BigG => {
+                let shapes = KeyShapes {
+                    file: path,
+                    model: "CLIP",
+                    shape_of: shape,
+                };
+                let [projection_dim, _] = shapes.matrix("text_projection.weight")?;
+                Some(projection_dim)
+            }
+        };
+        let config = ClipTextConfig {
+            hidden_act: encoder.activation(),
+            projection_dim,
+            ..inferred
+        };
+        tensors.load(
+            config.init::<B>(device),
+            str::to_string,
+            device,
+            dtype,
+            None,
+        )
+    }
+
     /// The model's configuration.
     pub fn config(&self) -> &ClipTextConfig {
         &self.config
@@ -179,18 +221,6 @@ impl<B: Kernels> ClipTextModel<B> {
             })
             .collect()
     }
-}
-
-/// The canonical (transformers 5) name of a key, or `None` for what the text encoder does not
-/// use: the vision tower, `logit_scale`, the position-ids buffer, and the projection of a
-/// model without one.
-fn canonical(key: &str, projection: bool) -> Option<String> {
-    let key = key.strip_prefix("text_model.").unwrap_or(key);
-    let own = key.starts_with("embeddings.")
-        || key.starts_with("encoder.")
-        || key.starts_with("final_layer_norm.")
-        || (projection && key.starts_with("text_projection."));
-    (own && key != "embeddings.position_ids").then(|| key.to_string())
 }
 
 /// Token and learned position embeddings, summed.
@@ -359,25 +389,6 @@ mod tests {
         assert_eq!(tiny(LEGACY_EOS_ID).pooled_positions(&ids), [2, 3]);
         // A row without the eos id pools its first token, as transformers' argmax of zeros.
         assert_eq!(tiny(9).pooled_positions(&ids), [0, 2]);
-    }
-
-    #[test]
-    fn keys_of_other_parts_are_ignored() {
-        assert_eq!(
-            canonical("text_model.encoder.layers.0.mlp.fc1.weight", false).as_deref(),
-            Some("encoder.layers.0.mlp.fc1.weight")
-        );
-        assert_eq!(canonical("text_model.embeddings.position_ids", false), None);
-        assert_eq!(canonical("text_projection.weight", false), None);
-        assert_eq!(
-            canonical("text_projection.weight", true).as_deref(),
-            Some("text_projection.weight")
-        );
-        assert_eq!(
-            canonical("vision_model.encoder.layers.0.mlp.fc1.weight", true),
-            None
-        );
-        assert_eq!(canonical("logit_scale", true), None);
     }
 
     #[test]

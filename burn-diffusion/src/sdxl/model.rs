@@ -811,6 +811,45 @@ mod tests {
     }
 
     #[test]
+    fn the_sdxl_preset_has_the_tensors_of_sdxl_base() {
+        // diffusers' UNet2DConditionModel of SDXL base 1.0's config (built on the meta
+        // device): 1680 tensors, 2 567 463 684 parameters.
+        let model = UNetConfig::sdxl().init::<B>(&Default::default());
+        let shapes = crate::weights::param_shapes(&model);
+        assert_eq!(shapes.len(), 1680);
+        let total: usize = shapes
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(total, 2_567_463_684);
+        let shape = |path: &str| {
+            shapes
+                .iter()
+                .find(|(p, _)| p == path)
+                .unwrap_or_else(|| panic!("no {path}"))
+                .1
+                .clone()
+        };
+        // Burn's Linear weights are [d_input, d_output].
+        let block = "up_blocks.0.attentions.2.transformer_blocks.9";
+        assert_eq!(shape(&format!("{block}.attn2.to_k.weight")), [2048, 1280]);
+        assert_eq!(
+            shape(&format!("{block}.ff.net.0.proj.weight")),
+            [1280, 10240]
+        );
+        assert_eq!(shape(&format!("{block}.attn1.to_out.0.bias")), [1280]);
+        assert_eq!(shape("add_embedding.linear_1.weight"), [2816, 1280]);
+        assert_eq!(
+            shape("up_blocks.1.resnets.2.conv_shortcut.weight"),
+            [640, 960, 1, 1]
+        );
+        assert_eq!(
+            shape("down_blocks.1.downsamplers.0.conv.weight"),
+            [640, 640, 3, 3]
+        );
+    }
+
+    #[test]
     fn odd_latent_sides_come_back_whole() {
         let device = Default::default();
         let config = UNetConfig {

@@ -2,9 +2,10 @@
 //! already have and numerically equal to diffusers. FLUX.1 (dev and schnell) is here: the model
 //! in plain `nn::Linear` layers (so that LoRA adapters and weight offloading apply without model
 //! changes), loading from BFL single files and diffusers folders (bf16, f32, or FP8 with
-//! scales), one tensor at a time, and block-level gradient checkpointing for training. The text
-//! encoders are FLUX.1's CLIP and T5 ([`clip`], [`t5`]) and FLUX.2's decoders, Mistral Small 3
-//! and Qwen3 ([`text_decoder`]), with their prompt tokenizers ([`tokenize`]).
+//! scales), one tensor at a time, and block-level gradient checkpointing for training. SDXL's
+//! UNet ([`sdxl`]) loads from diffusers folders the same way. The text encoders are FLUX.1's
+//! CLIP and T5 ([`clip`], [`t5`]) and FLUX.2's decoders, Mistral Small 3 and Qwen3
+//! ([`text_decoder`]), with their prompt tokenizers ([`tokenize`]).
 //!
 //! # Example
 //! A tiny FLUX-shaped model with random weights; a real one comes from

@@ -40,21 +40,49 @@ fn decode(path: &Path) -> Result<RgbImage, LoadError> {
     Ok(image.into_rgb8())
 }
 
-/// Scales `image` to the smallest size that covers `width × height` (sides rounded, never
-/// below the bucket's) and cuts out its center.
+/// How [`load_image`] fits an image of `image_width × image_height` pixels (after EXIF
+/// orientation) to a bucket of `width × height`: the size it is resized to and the top-left
+/// corner of the cut-out in the resized image. SDXL's micro-conditioning records these
+/// (`crops_coords_top_left` is `(top, left)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketFit {
+    /// Width after resizing (at least the bucket's).
+    pub resized_width: u32,
+    /// Height after resizing (at least the bucket's).
+    pub resized_height: u32,
+    /// First row of the cut-out.
+    pub top: u32,
+    /// First column of the cut-out.
+    pub left: u32,
+}
+
+impl BucketFit {
+    /// The smallest size that covers `width × height` with the image's aspect ratio (sides
+    /// rounded, never below the bucket's), and its centered cut-out.
+    pub fn new(image_width: u32, image_height: u32, width: usize, height: usize) -> Self {
+        let (w, h) = (image_width as f64, image_height as f64);
+        let scale = (width as f64 / w).max(height as f64 / h);
+        let resized_width = ((w * scale).round() as u32).max(width as u32);
+        let resized_height = ((h * scale).round() as u32).max(height as u32);
+        Self {
+            resized_width,
+            resized_height,
+            top: (resized_height - height as u32) / 2,
+            left: (resized_width - width as u32) / 2,
+        }
+    }
+}
+
+/// Scales `image` to the smallest size that covers `width × height` and cuts out its center
+/// ([`BucketFit`]).
 fn fit_to_bucket(image: &RgbImage, width: usize, height: usize) -> RgbImage {
-    let (w, h) = (image.width() as f64, image.height() as f64);
-    let scale = (width as f64 / w).max(height as f64 / h);
-    let resized_w = ((w * scale).round() as u32).max(width as u32);
-    let resized_h = ((h * scale).round() as u32).max(height as u32);
-    let resized = if (resized_w, resized_h) == image.dimensions() {
+    let fit = BucketFit::new(image.width(), image.height(), width, height);
+    let resized = if (fit.resized_width, fit.resized_height) == image.dimensions() {
         image.clone()
     } else {
-        imageops::resize(image, resized_w, resized_h, FilterType::Triangle)
+        imageops::resize(image, fit.resized_width, fit.resized_height, FilterType::Triangle)
     };
-    let left = (resized_w - width as u32) / 2;
-    let top = (resized_h - height as u32) / 2;
-    imageops::crop_imm(&resized, left, top, width as u32, height as u32).to_image()
+    imageops::crop_imm(&resized, fit.left, fit.top, width as u32, height as u32).to_image()
 }
 
 /// `[3, height, width]` planes of `2 · v / 255 - 1`.

@@ -16,3 +16,4 @@ pub use model::{
     LatentDistribution, ResnetBlock2D, SpatialAttention, UNetMidBlock2D, UpDecoderBlock2D,
     Upsample2D, norm_in_f32,
 };
+pub(crate) use model::{conv, nearest_2x};

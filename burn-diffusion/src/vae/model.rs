@@ -579,7 +579,7 @@ impl<B: Kernels> Upsample2D<B> {
 
 /// Each pixel repeated twice along both sides (PyTorch's `interpolate(scale_factor=2,
 /// mode="nearest")`).
-fn nearest_2x<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+pub(crate) fn nearest_2x<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, c, h, w] = x.dims();
     x.reshape([b, c, h, 1, w, 1])
         .expand([b, c, h, 2, w, 2])
@@ -633,7 +633,12 @@ impl<B: Kernels> SpatialAttention<B> {
 }
 
 /// A 3×3 (padding 1) or 1×1 convolution with bias.
-fn conv<B: Kernels>(input: usize, output: usize, kernel: usize, device: &B::Device) -> Conv2d<B> {
+pub(crate) fn conv<B: Kernels>(
+    input: usize,
+    output: usize,
+    kernel: usize,
+    device: &B::Device,
+) -> Conv2d<B> {
     Conv2dConfig::new([input, output], [kernel, kernel])
         .with_padding(PaddingConfig2d::Explicit(
             kernel / 2,

@@ -682,6 +682,27 @@ pub enum SchedulerKind {
     Cosine,
 }
 
+/// What a DDPM model is trained to predict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Prediction {
+    /// The noise ε.
+    #[default]
+    Epsilon,
+    /// The velocity `v = sqrt(ᾱ)·ε − sqrt(1 − ᾱ)·x₀`.
+    Velocity,
+}
+
+/// The DDPM objective, validated.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct DdpmSettings {
+    /// The target.
+    pub prediction: Prediction,
+    /// Min-SNR-γ weighting; `None`: every timestep weighs 1.
+    pub min_snr_gamma: Option<f64>,
+    /// Standard deviation of the per-channel noise offset (0: none).
+    pub noise_offset: f64,
+}
+
 /// How σ (the flow-matching time) is drawn for each sample.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum TimestepSampling {

@@ -9,6 +9,8 @@
 //! each LoRA file format. What a family caches is named tensors ([`Encoded`]): the cache keeps
 //! whatever the family's encoders return, under the family's names.
 
+#[cfg_attr(not(test), allow(dead_code))]
+mod ddpm;
 mod flow;
 mod flux1;
 mod flux2;

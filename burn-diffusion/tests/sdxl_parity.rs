@@ -214,7 +214,11 @@ fn an_sgm_single_file_loads_through_the_key_table() {
         for (name, _, _) in tensors.iter_mut() {
             *name = format!("model.diffusion_model.{}", sgm[name.as_str()]);
         }
-        tensors.push(("first_stage_model.encoder.conv_in.bias".into(), vec![1], vec![0.0]));
+        tensors.push((
+            "first_stage_model.encoder.conv_in.bias".into(),
+            vec![1],
+            vec![0.0],
+        ));
     });
     let file = folder.join("diffusion_pytorch_model.safetensors");
     let checkpoint = UNetCheckpoint::open_sgm(&file, tiny()).unwrap();

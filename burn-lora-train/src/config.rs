@@ -22,7 +22,7 @@ use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, Lora
 use burn_quant::Fp8Format;
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub use crate::family::Arch;
+pub use crate::family::{Arch, Objective};
 use crate::rng::Rng;
 
 /// The prefix of environment variables that override configuration keys.
@@ -159,7 +159,8 @@ pub struct NetworkYaml {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelYaml {
-    /// Architecture: `flux1` (FLUX.1 dev / schnell).
+    /// Architecture: `flux1` (FLUX.1 dev / schnell), `flux2` (FLUX.2 dev / klein) or `sdxl`
+    /// (Stable Diffusion XL).
     pub arch: String,
     /// A diffusers folder, or the transformer's single file (BFL layout, FP8 included) with the
     /// other components given below, relative to the config file; the word `tiny` builds a
@@ -170,6 +171,9 @@ pub struct ModelYaml {
     /// The transformer, when not the one of `path`: a folder or a single file.
     #[serde(default)]
     pub transformer: Option<PathBuf>,
+    /// SDXL's UNet, when not the one of `path`: a diffusers folder or an all-in-one file.
+    #[serde(default)]
+    pub unet: Option<PathBuf>,
     /// The VAE, when not the one of `path`: a folder or a single file (`ae.safetensors`).
     #[serde(default)]
     pub vae: Option<PathBuf>,
@@ -261,6 +265,17 @@ pub struct TrainSectionYaml {
     /// Guidance value fed to guidance-distilled models (FLUX.1-dev).
     #[serde(default = "defaults::guidance")]
     pub guidance_scale: f64,
+    /// What a DDPM model (SDXL) is trained to predict: `epsilon` (the noise, the default) or
+    /// `v_prediction` (the velocity, for v-parameterized fine-tunes).
+    #[serde(default)]
+    pub prediction_type: Option<String>,
+    /// Min-SNR-γ loss weighting of a DDPM model (5 is the usual value); absent: off.
+    #[serde(default)]
+    pub min_snr_gamma: Option<f64>,
+    /// Noise offset of a DDPM model: a per-channel constant drawn from N(0, offset²) added to
+    /// each sample's noise (0.0357 in kohya's SDXL examples); 0: off.
+    #[serde(default)]
+    pub noise_offset: f64,
     /// Consecutive non-finite losses after which training stops (with a checkpoint).
     #[serde(default = "defaults::max_nan_steps")]
     pub max_nan_steps: usize,
@@ -768,6 +783,8 @@ pub struct TrainSettings {
     pub timestep: TimestepSampling,
     /// Guidance value for guidance-distilled models.
     pub guidance_scale: f64,
+    /// The DDPM objective's settings (families trained by flow matching ignore them).
+    pub ddpm: DdpmSettings,
     /// Consecutive non-finite losses that stop the run.
     pub max_nan_steps: usize,
     /// Seed of every random choice.
@@ -1167,6 +1184,7 @@ fn check_model(
     let arch = c.choose("model.arch", &m.arch, Arch::ALL)?;
     let given = [
         ("transformer", &m.transformer),
+        ("unet", &m.unet),
         ("vae", &m.vae),
         ("text_encoder", &m.text_encoder),
         ("text_encoder_2", &m.text_encoder_2),
@@ -1323,8 +1341,9 @@ fn model_files(
         let given = overrides.iter().find(|(c, _)| *c == component);
         let found = match given {
             Some((_, p)) => resolve(p),
-            // The first component (the denoiser) is the single file itself.
-            None if folder || i == 0 => path.to_path_buf(),
+            // The first component (the denoiser) is the single file itself, and so is every
+            // other one of an all-in-one checkpoint.
+            None if folder || i == 0 || arch.single_file_holds_all() => path.to_path_buf(),
             None => {
                 c.fail(
                     &field,
@@ -1451,6 +1470,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         "expected a finite number ≥ 0",
     );
     let max_nan = c.at_least("train.max_nan_steps", t.max_nan_steps, 1);
+    let ddpm = check_ddpm(c, t, arch);
     let timestep = match timestep? {
         TimestepSampling::Shift(_) => TimestepSampling::Shift(shift?),
         other => other,
@@ -1470,8 +1490,57 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         gradient_checkpointing: t.gradient_checkpointing,
         timestep,
         guidance_scale: guidance?,
+        ddpm: ddpm?,
         max_nan_steps: max_nan?,
         seed: t.seed,
+    })
+}
+
+/// The DDPM settings; an error for each one given to a family trained by flow matching.
+fn check_ddpm(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<DdpmSettings> {
+    if arch.objective() != Objective::Ddpm {
+        let given = [
+            ("train.prediction_type", t.prediction_type.is_some()),
+            ("train.min_snr_gamma", t.min_snr_gamma.is_some()),
+            ("train.noise_offset", t.noise_offset != 0.0),
+        ];
+        for (field, _) in given.iter().filter(|(_, given)| *given) {
+            c.fail(
+                *field,
+                format!(
+                    "{} is trained by flow matching; this applies to DDPM models (sdxl)",
+                    arch.name()
+                ),
+            );
+        }
+        return Some(DdpmSettings::default());
+    }
+    let prediction = match &t.prediction_type {
+        Some(word) => c.choose(
+            "train.prediction_type",
+            word,
+            &[
+                ("epsilon", Prediction::Epsilon),
+                ("v_prediction", Prediction::Velocity),
+                ("v-prediction", Prediction::Velocity),
+            ],
+        ),
+        None => Some(Prediction::Epsilon),
+    };
+    let gamma = match t.min_snr_gamma {
+        Some(gamma) => c.positive("train.min_snr_gamma", gamma).map(Some),
+        None => Some(None),
+    };
+    let offset = c.require(
+        t.noise_offset.is_finite() && t.noise_offset >= 0.0,
+        t.noise_offset,
+        "train.noise_offset",
+        "expected a finite number ≥ 0 (0 turns it off)",
+    );
+    Some(DdpmSettings {
+        prediction: prediction?,
+        min_snr_gamma: gamma?,
+        noise_offset: offset?,
     })
 }
 
@@ -1680,11 +1749,83 @@ mod tests {
     }
 
     #[test]
+    fn ddpm_settings_apply_to_sdxl_and_are_refused_for_flow_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let ddpm = "train: {prediction_type: v_prediction, min_snr_gamma: 5, noise_offset: 0.05}\n";
+        let sdxl = MINIMAL.replace("arch: flux1", "arch: sdxl") + ddpm;
+        let path = write(dir.path(), &sdxl);
+        let plan =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap();
+        assert_eq!(
+            plan.train.ddpm,
+            DdpmSettings {
+                prediction: Prediction::Velocity,
+                min_snr_gamma: Some(5.0),
+                noise_offset: 0.05,
+            }
+        );
+        assert_eq!(plan.train.timestep, TimestepSampling::Uniform);
+
+        let path = write(dir.path(), &format!("{MINIMAL}{ddpm}"));
+        let error =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap_err();
+        let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "train.prediction_type",
+                "train.min_snr_gamma",
+                "train.noise_offset"
+            ],
+            "{error}"
+        );
+        assert!(
+            error.problems[0].message.contains("flow matching"),
+            "{error}"
+        );
+
+        let bad = MINIMAL.replace("arch: flux1", "arch: sdxl")
+            + "train: {prediction_type: sample, min_snr_gamma: 0, noise_offset: -1}\n";
+        let path = write(dir.path(), &bad);
+        let error =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap_err();
+        assert_eq!(error.problems.len(), 3, "{error}");
+    }
+
+    /// SDXL's all-in-one checkpoint holds every component; FLUX.1's transformer file does not.
+    #[test]
+    fn an_all_in_one_sdxl_file_names_every_component() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("sd_xl_base_1.0.safetensors"), b"").unwrap();
+        std::fs::create_dir_all(dir.path().join("tokenizer")).unwrap();
+        std::fs::create_dir_all(dir.path().join("tokenizer_2")).unwrap();
+        let yaml = MINIMAL.replace(
+            "{arch: flux1, path: tiny}",
+            "{arch: sdxl, path: sd_xl_base_1.0.safetensors}",
+        );
+        let path = write(dir.path(), &yaml);
+        let plan =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap();
+        let ModelSource::Files(files) = &plan.model.source else {
+            panic!("{:?}", plan.model.source);
+        };
+        for component in Arch::Sdxl.components() {
+            assert!(files.get(component).ends_with("sd_xl_base_1.0.safetensors"));
+        }
+
+        let path = write(dir.path(), &yaml.replace("sdxl", "flux1"));
+        let error =
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap()).unwrap_err();
+        assert_eq!(error.problems[0].field, "model.vae", "{error}");
+    }
+
+    #[test]
     fn each_family_has_its_default_sigma_sampling() {
         let dir = tempfile::tempdir().unwrap();
         for (arch, expected) in [
             ("flux1", TimestepSampling::LogitNormal),
             ("flux2", TimestepSampling::ResolutionShift),
+            ("sdxl", TimestepSampling::Uniform),
         ] {
             let yaml = MINIMAL.replace("arch: flux1", &format!("arch: {arch}"));
             let plan = TrainPlan::load(&write(dir.path(), &yaml)).unwrap();

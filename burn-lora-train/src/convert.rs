@@ -16,8 +16,9 @@ pub struct ConvertArgs {
     #[arg(long, value_enum)]
     to: Target,
     /// The model the LoRA is for: `flux1` (FLUX.1-dev and schnell), `flux2` (FLUX.2-dev),
-    /// `flux2-klein-4b`, `flux2-klein-9b`, `tiny` / `tiny-flux2` (the built-in tiny models), or
-    /// a FLUX.1 or FLUX.2 transformer checkpoint (file or folder) to read the shape from.
+    /// `flux2-klein-4b`, `flux2-klein-9b`, `sdxl` (SDXL base 1.0 and fine-tunes of its shape),
+    /// `tiny` / `tiny-flux2` / `tiny-sdxl` (the built-in tiny models), or a FLUX.1 or FLUX.2
+    /// transformer checkpoint (file or folder) to read the shape from.
     #[arg(long, default_value = "flux1")]
     model: String,
     /// The LoRA file to read: kohya, PEFT / diffusers, ai-toolkit or OneTrainer layout.
@@ -48,6 +49,8 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         }
         "tiny" => (Arch::Flux1, ModelSource::Tiny),
         "tiny-flux2" => (Arch::Flux2, ModelSource::Tiny),
+        "sdxl" => (Arch::Sdxl, ModelSource::Random("sdxl".into())),
+        "tiny-sdxl" => (Arch::Sdxl, ModelSource::Tiny),
         path => {
             let arch = if Flux2Checkpoint::open(Path::new(path)).is_ok() {
                 Arch::Flux2

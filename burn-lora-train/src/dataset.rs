@@ -137,6 +137,8 @@ pub struct Item {
     pub image: PathBuf,
     /// The caption (empty when the image has no caption file).
     pub caption: String,
+    /// The image's width and height after EXIF orientation, before resizing.
+    pub size: (u32, u32),
     /// The size it is trained at.
     pub bucket: Bucket,
     /// Index of its dataset in the configuration.
@@ -249,6 +251,7 @@ impl Dataset {
                     items.push(Item {
                         image: image.clone(),
                         caption: caption.clone(),
+                        size: (width, height),
                         bucket,
                         dataset: index,
                     });
@@ -544,6 +547,7 @@ mod tests {
                 .map(|i| Item {
                     image: format!("{i}.png").into(),
                     caption: String::new(),
+                    size: (16, 16),
                     bucket: bucket(i),
                     dataset: 0,
                 })

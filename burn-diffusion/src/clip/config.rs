@@ -63,6 +63,20 @@ impl ClipTextConfig {
         }
     }
 
+    /// OpenCLIP's ViT-bigG/14 text encoder as SDXL uses it (`text_encoder_2`,
+    /// `CLIPTextModelWithProjection`: GELU, a 1280-wide projection of the pooled output).
+    pub fn open_clip_big_g() -> Self {
+        Self {
+            hidden_size: 1280,
+            intermediate_size: 5120,
+            num_hidden_layers: 32,
+            num_attention_heads: 20,
+            hidden_act: ClipActivation::Gelu,
+            projection_dim: Some(1280),
+            ..Self::clip_l()
+        }
+    }
+
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads

@@ -80,7 +80,12 @@ fn fit_to_bucket(image: &RgbImage, width: usize, height: usize) -> RgbImage {
     let resized = if (fit.resized_width, fit.resized_height) == image.dimensions() {
         image.clone()
     } else {
-        imageops::resize(image, fit.resized_width, fit.resized_height, FilterType::Triangle)
+        imageops::resize(
+            image,
+            fit.resized_width,
+            fit.resized_height,
+            FilterType::Triangle,
+        )
     };
     imageops::crop_imm(&resized, fit.left, fit.top, width as u32, height as u32).to_image()
 }

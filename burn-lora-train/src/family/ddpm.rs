@@ -63,11 +63,6 @@ impl DdpmSchedule {
         Self { alphas_cumprod }
     }
 
-    /// `ᾱ_t` of every timestep.
-    pub fn alphas_cumprod(&self) -> &[f32] {
-        &self.alphas_cumprod
-    }
-
     /// `(√ᾱ_t, √(1 − ᾱ_t))` in f32: the scales of the latent and of the noise at timestep `t`.
     ///
     /// # Panics
@@ -310,10 +305,10 @@ mod tests {
         let fixture = Fixture::open();
         let schedule = DdpmSchedule::sdxl();
         let expected = fixture.values("alphas_cumprod");
-        let error = max_relative_error(schedule.alphas_cumprod(), &expected);
+        let error = max_relative_error(&schedule.alphas_cumprod, &expected);
         check("alphas_cumprod", error, 1.2e-7);
         let equal = schedule
-            .alphas_cumprod()
+            .alphas_cumprod
             .iter()
             .zip(&expected)
             .filter(|(a, e)| a == e)

@@ -1,17 +1,11 @@
 //! The flow-matching objective FLUX.1 and FLUX.2 train with: the noisy input and target of a
-//! batch of packed latents, and the loss's value and adapter gradients.
+//! batch of packed latents.
 
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::Flex;
 use burn::backend::flex::FlexDevice;
-use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
-use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, ElementConversion, Tensor, TensorData};
-use burn_diffusion::{BlockTape, Checkpointing};
-use burn_kernels::FusedOps;
+use burn::tensor::{Distribution, Tensor, TensorData};
 
-use crate::config::TrainPlan;
 use crate::rng::Rng;
 
 /// Where the noise is drawn before it is copied to the device, so that it is the same on every
@@ -46,31 +40,4 @@ impl<B: Backend> FlowPair<B> {
             sigma,
         }
     }
-}
-
-/// What the run's `train.gradient_checkpointing` asks the block tape for.
-pub(crate) fn checkpointing(plan: &TrainPlan) -> Checkpointing {
-    if plan.train.gradient_checkpointing {
-        Checkpointing::Blocks
-    } else {
-        Checkpointing::Off
-    }
-}
-
-/// The mean squared error of `prediction` against `target` (in f32), and the gradients of
-/// `model`'s adapters through `tape`.
-pub(crate) fn mse_gradients<B: FusedOps, M: AutodiffModule<Autodiff<B>>>(
-    prediction: Tensor<Autodiff<B>, 3>,
-    target: Tensor<B, 3>,
-    tape: BlockTape<B, NoCheckpointing>,
-    model: &M,
-) -> (f64, GradientsParams) {
-    let loss = (prediction.cast(DType::F32) - Tensor::from_inner(target))
-        .powi_scalar(2)
-        .mean();
-    let grads = GradientsParams::from_grads(tape.backward(&loss, model), model);
-    // Read after the backward is queued: reading first would leave the device idle while the
-    // host queues the backward.
-    let value = loss.into_scalar().elem::<f64>();
-    (value, grads)
 }

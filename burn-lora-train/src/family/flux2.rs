@@ -31,10 +31,11 @@ use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
 
-use super::flow::{FlowPair, checkpointing, mse_gradients};
+use super::flow::FlowPair;
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, into_stream, random_model, source_name, streamed,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
+    encode_vae_latents, encoder_stream, into_stream, mse_gradients, random_model, source_name,
+    streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -444,6 +445,6 @@ impl Family for Flux2Family {
         };
         let mut tape = BlockTape::new(checkpointing(plan));
         let prediction = flux.forward_with(input, &mut tape);
-        mse_gradients(prediction, pair.target, tape, flux)
+        mse_gradients(prediction, pair.target, None, tape, flux)
     }
 }

@@ -9,21 +9,22 @@
 //! each LoRA file format. What a family caches is named tensors ([`Encoded`]): the cache keeps
 //! whatever the family's encoders return, under the family's names.
 
-#[cfg_attr(not(test), allow(dead_code))]
 mod ddpm;
 mod flow;
 mod flux1;
 mod flux2;
+mod sdxl;
 
 use std::collections::BTreeMap;
 
 use burn::backend::Autodiff;
-use burn::module::Module;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 use burn_diffusion::vae::AutoencoderKl;
-use burn_diffusion::{materialize, random_placed};
+use burn_diffusion::{BlockTape, Checkpointing, materialize, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
@@ -35,6 +36,7 @@ use crate::rng::Rng;
 
 pub use flux1::Flux1;
 pub use flux2::Flux2Family;
+pub use sdxl::Sdxl;
 
 /// The backend the denoiser trains on, over the computing backend `B`: frozen weights may
 /// stream from host memory.
@@ -51,18 +53,34 @@ pub enum Arch {
     Flux1,
     /// FLUX.2 dev / klein: [`Flux2Family`].
     Flux2,
+    /// Stable Diffusion XL (base 1.0 and fine-tunes of its shape): [`Sdxl`].
+    Sdxl,
+}
+
+/// How a family's denoiser is trained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Objective {
+    /// Flow matching: the model predicts `noise − x₀` at a noise level σ ∈ [0, 1].
+    Flow,
+    /// Denoising diffusion (DDPM, 1000 discrete timesteps): the model predicts the noise ε or
+    /// the velocity v.
+    Ddpm,
 }
 
 impl Arch {
     /// Every architecture, with its name in the configuration.
-    pub const ALL: &'static [(&'static str, Arch)] =
-        &[("flux1", Arch::Flux1), ("flux2", Arch::Flux2)];
+    pub const ALL: &'static [(&'static str, Arch)] = &[
+        ("flux1", Arch::Flux1),
+        ("flux2", Arch::Flux2),
+        ("sdxl", Arch::Sdxl),
+    ];
 
     /// The name in the configuration.
     pub fn name(self) -> &'static str {
         match self {
             Arch::Flux1 => "flux1",
             Arch::Flux2 => "flux2",
+            Arch::Sdxl => "sdxl",
         }
     }
 
@@ -72,6 +90,7 @@ impl Arch {
         match self {
             Arch::Flux1 => flux1::COMPONENTS,
             Arch::Flux2 => flux2::COMPONENTS,
+            Arch::Sdxl => sdxl::COMPONENTS,
         }
     }
 
@@ -80,6 +99,7 @@ impl Arch {
         match self {
             Arch::Flux1 => flux1::RANDOM_SHAPES,
             Arch::Flux2 => flux2::RANDOM_SHAPES,
+            Arch::Sdxl => sdxl::RANDOM_SHAPES,
         }
     }
 
@@ -88,17 +108,33 @@ impl Arch {
         match self {
             Arch::Flux1 => flux1::TOKENIZERS,
             Arch::Flux2 => flux2::TOKENIZERS,
+            Arch::Sdxl => sdxl::TOKENIZERS,
         }
     }
 
     /// The σ sampling a run gets when `train.timestep_type` is not given: FLUX.1 `sigmoid`
     /// (ai-toolkit's default), FLUX.2 its resolution-dependent shift (musubi-tuner's
-    /// `flux2_shift`).
+    /// `flux2_shift`), SDXL `uniform` (every trainer's default for DDPM timesteps).
     pub fn default_timestep_type(self) -> &'static str {
         match self {
             Arch::Flux1 => "sigmoid",
             Arch::Flux2 => "flux2_shift",
+            Arch::Sdxl => "uniform",
         }
+    }
+
+    /// How the denoiser is trained.
+    pub fn objective(self) -> Objective {
+        match self {
+            Arch::Flux1 | Arch::Flux2 => Objective::Flow,
+            Arch::Sdxl => Objective::Ddpm,
+        }
+    }
+
+    /// Whether the denoiser's single file holds every component (SDXL's all-in-one
+    /// checkpoint), so that `model.path` alone names them all.
+    pub fn single_file_holds_all(self) -> bool {
+        self == Arch::Sdxl
     }
 }
 
@@ -365,10 +401,46 @@ pub fn lora_names(arch: Arch, source: &ModelSource) -> Result<LayoutNames, Train
     match arch {
         Arch::Flux1 => Ok(Flux1::of(source)?.lora_names()),
         Arch::Flux2 => Ok(Flux2Family::of(source)?.lora_names()),
+        Arch::Sdxl => Ok(Sdxl::of(source)?.lora_names()),
     }
 }
 
 /// Whether every value of `data` is finite.
 pub fn finite(data: &TensorData) -> bool {
     data.iter::<f32>().all(f32::is_finite)
+}
+
+/// The mean squared error of `prediction` against `target` (in f32) of each sample (the first
+/// axis), times its weight when `weights` are given, averaged over the batch; and the
+/// gradients of `model`'s adapters through `tape`.
+pub(crate) fn mse_gradients<B: FusedOps, M: AutodiffModule<Autodiff<B>>, const D: usize>(
+    prediction: Tensor<Autodiff<B>, D>,
+    target: Tensor<B, D>,
+    weights: Option<Tensor<B, 1>>,
+    tape: BlockTape<B, NoCheckpointing>,
+    model: &M,
+) -> (f64, GradientsParams) {
+    let squares = (prediction.cast(DType::F32) - Tensor::from_inner(target)).powi_scalar(2);
+    let loss = match weights {
+        None => squares.mean(),
+        Some(weights) => {
+            let n = squares.dims()[0];
+            let per_sample = squares.flatten::<2>(1, D - 1).mean_dim(1).reshape([n]);
+            (per_sample * Tensor::from_inner(weights)).mean()
+        }
+    };
+    let grads = GradientsParams::from_grads(tape.backward(&loss, model), model);
+    // Read after the backward is queued: reading first would leave the device idle while the
+    // host queues the backward.
+    let value = loss.into_scalar().elem::<f64>();
+    (value, grads)
+}
+
+/// What the run's `train.gradient_checkpointing` asks the block tape for.
+pub(crate) fn checkpointing(plan: &TrainPlan) -> Checkpointing {
+    if plan.train.gradient_checkpointing {
+        Checkpointing::Blocks
+    } else {
+        Checkpointing::Off
+    }
 }

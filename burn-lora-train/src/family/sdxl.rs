@@ -1,0 +1,390 @@
+//! Stable Diffusion XL: the UNet trained by DDPM (ε- or v-prediction, min-SNR-γ, noise
+//! offset) on the 4-channel VAE's scaled latents, conditioned on both CLIPs' penultimate states,
+//! OpenCLIP bigG's pooled projection and each image's micro-conditioning (original size, crop,
+//! target size).
+//!
+//! Sources: `tiny` builds small random models seeded from the run's seed (on the CPU, then
+//! copied to the device); `random:sdxl` the full-size shape with random weights; files are a
+//! diffusers pipeline folder (`unet/`, `vae/`, `text_encoder/`, `text_encoder_2/`) or the
+//! all-in-one SGM checkpoint (`sd_xl_base_1.0.safetensors`), each component also given on its
+//! own. The VAE runs in f32 whatever the model's dtype: SDXL's VAE overflows in half precision
+//! (diffusers' `force_upcast`, kohya's `--no_half_vae`).
+
+use std::path::Path;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn_diffusion::LoadError;
+use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel, SgmTextEncoder};
+use burn_diffusion::pipeline::{BucketFit, encode_sdxl_prompt};
+use burn_diffusion::sdxl::{UNet2DCondition, UNetCheckpoint, UNetConfig, UNetInput};
+use burn_diffusion::tokenize::CaptionTokenizer;
+use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_diffusion::{BlockTape, materialize};
+use burn_kernels::{FusedOps, Kernels};
+use burn_lora::LayoutNames;
+use burn_offload::{Offload, StreamTarget, WeightStream};
+use burn_quant::Checkpoint;
+
+use super::ddpm::{DdpmPair, sample_timesteps};
+use super::{
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
+    encode_vae_latents, into_stream, mse_gradients, random_model, source_name,
+};
+use crate::config::{ModelSource, TrainPlan};
+use crate::dataset::Dataset;
+use crate::error::TrainError;
+use crate::models::{built_on_host, float_dtype};
+use crate::rng::Rng;
+
+/// Caption length of both CLIPs (the tiny ones too).
+const CLIP_TOKENS: usize = 77;
+/// Captions encoded per batch.
+const TEXT_BATCH: usize = 8;
+
+/// An image's encodings: the VAE latent, scaled, `[4, h/8, w/8]`, in the model's dtype.
+const LATENT: &str = "latent";
+/// And its micro-conditioning `[6]` (f32): original height and width, crop top and left,
+/// target height and width, as diffusers' `add_time_ids`.
+const TIME_IDS: &str = "time_ids";
+/// A caption's encodings: both CLIPs' penultimate states side by side, `[77, 2048]`.
+const STATES: &str = "states";
+/// And bigG's pooled projection, `[1280]`.
+const POOLED: &str = "pooled";
+
+/// The components, as `model.<component>` and diffusers folders name them.
+pub(super) const COMPONENTS: &[&str] = &["unet", "vae", "text_encoder", "text_encoder_2"];
+/// The `random:` shape: SDXL base 1.0's.
+pub(super) const RANDOM_SHAPES: &[&str] = &["sdxl"];
+/// The tokenizers: CLIP-L's and bigG's, as in a diffusers folder.
+pub(super) const TOKENIZERS: &[&str] = &["tokenizer", "tokenizer_2"];
+
+/// Width of the tiny CLIP-L's states.
+const TINY_CLIP_L: usize = 32;
+/// Width of the tiny bigG's states and of its projection.
+const TINY_BIG_G: usize = 48;
+
+/// CLIP-L and OpenCLIP bigG (with its projection).
+type TextEncoders<B> = (ClipTextModel<B>, ClipTextModel<B>);
+
+/// The SDXL family, for one model source.
+#[derive(Clone, Debug)]
+pub struct Sdxl {
+    config: UNetConfig,
+}
+
+impl Sdxl {
+    /// The family of `source`'s UNet, its configuration read without loading weights.
+    pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
+        let config = match source {
+            ModelSource::Tiny => tiny_unet(),
+            ModelSource::Random(_) => UNetConfig::sdxl(),
+            ModelSource::Files(files) => UNetCheckpoint::open(files.get("unet"))?.config().clone(),
+        };
+        Ok(Self { config })
+    }
+
+    /// The VAE in f32 on `device`.
+    fn vae<B: Kernels>(
+        plan: &TrainPlan,
+        device: &B::Device,
+    ) -> Result<AutoencoderKl<B>, TrainError> {
+        let dtype = FloatDType::F32;
+        B::seed(device, plan.train.seed ^ 1);
+        Ok(match &plan.model.source {
+            ModelSource::Tiny => {
+                let config = VaeConfig {
+                    block_out_channels: vec![8, 8, 8, 8],
+                    layers_per_block: 1,
+                    norm_num_groups: 4,
+                    ..VaeConfig::sdxl()
+                };
+                built_on_host(
+                    plan.train.seed ^ 1,
+                    dtype,
+                    |host| config.init::<Flex>(host),
+                    config.init::<B>(device),
+                )
+            }
+            ModelSource::Random(_) => materialize(VaeConfig::sdxl().init::<B>(device), dtype),
+            ModelSource::Files(files) => {
+                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
+            }
+        })
+    }
+
+    /// CLIP-L and bigG in the model's dtype on `device`.
+    fn text_encoders<B: Kernels>(
+        plan: &TrainPlan,
+        device: &B::Device,
+    ) -> Result<TextEncoders<B>, TrainError> {
+        let dtype = float_dtype(plan);
+        let seed = plan.train.seed;
+        Ok(match &plan.model.source {
+            ModelSource::Tiny => {
+                let clip_l = ClipTextConfig {
+                    vocab_size: 4096,
+                    hidden_size: TINY_CLIP_L,
+                    intermediate_size: 2 * TINY_CLIP_L,
+                    num_hidden_layers: 3,
+                    num_attention_heads: 2,
+                    max_position_embeddings: CLIP_TOKENS,
+                    hidden_act: ClipActivation::QuickGelu,
+                    layer_norm_eps: 1e-5,
+                    eos_token_id: 2,
+                    projection_dim: None,
+                };
+                let big_g = ClipTextConfig {
+                    hidden_size: TINY_BIG_G,
+                    intermediate_size: 2 * TINY_BIG_G,
+                    hidden_act: ClipActivation::Gelu,
+                    projection_dim: Some(TINY_BIG_G),
+                    ..clip_l.clone()
+                };
+                let clip_l = built_on_host(
+                    seed ^ 2,
+                    dtype,
+                    |h| clip_l.init::<Flex>(h),
+                    clip_l.init(device),
+                );
+                let big_g = built_on_host(
+                    seed ^ 3,
+                    dtype,
+                    |h| big_g.init::<Flex>(h),
+                    big_g.init(device),
+                );
+                (clip_l, big_g)
+            }
+            ModelSource::Random(_) => {
+                B::seed(device, seed ^ 2);
+                let clip_l = materialize(ClipTextConfig::clip_l().init(device), dtype);
+                B::seed(device, seed ^ 3);
+                let big_g = materialize(ClipTextConfig::open_clip_big_g().init(device), dtype);
+                (clip_l, big_g)
+            }
+            ModelSource::Files(files) => (
+                text_encoder(
+                    files.get("text_encoder"),
+                    SgmTextEncoder::ClipL,
+                    device,
+                    dtype,
+                )?,
+                text_encoder(
+                    files.get("text_encoder_2"),
+                    SgmTextEncoder::BigG,
+                    device,
+                    dtype,
+                )?,
+            ),
+        })
+    }
+}
+
+/// One of SDXL's text encoders from `path`: the all-in-one SGM file when it holds `encoder`'s
+/// tensors, else a transformers folder or single file.
+fn text_encoder<B: Kernels>(
+    path: &Path,
+    encoder: SgmTextEncoder,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Result<ClipTextModel<B>, TrainError> {
+    let all_in_one = path.is_file()
+        && Checkpoint::open(path)
+            .map_err(LoadError::from)?
+            .tensors()
+            .any(|t| t.name.starts_with(encoder.prefix()));
+    Ok(if all_in_one {
+        ClipTextModel::load_sgm(path, encoder, device, dtype)?
+    } else {
+        ClipTextModel::load(path, device, dtype)?
+    })
+}
+
+impl Family for Sdxl {
+    type Model<B: Backend> = UNet2DCondition<B>;
+
+    fn new(plan: &TrainPlan) -> Result<Self, TrainError> {
+        Self::of(&plan.model.source)
+    }
+
+    fn lora_names(&self) -> LayoutNames {
+        burn_diffusion::sdxl::lora_names(&self.config.layout())
+    }
+
+    fn base_model_name(&self, plan: &TrainPlan) -> String {
+        source_name(plan, "tiny", "unet")
+    }
+
+    fn schema(&self) -> Schema {
+        Schema {
+            image: &[LATENT, TIME_IDS],
+            caption: &[STATES, POOLED],
+        }
+    }
+
+    /// The latents, and each item's micro-conditioning from its size and bucket.
+    fn encode_images<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        dataset: &Dataset,
+        items: &[usize],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let vae = Self::vae::<Offload<B>>(plan, device)?;
+        let mut encoded = encode_vae_latents(vae, plan, dataset, items, LATENT, device)?;
+        for (encoding, &i) in encoded.iter_mut().zip(items) {
+            encoding.insert(TIME_IDS.to_string(), time_ids(dataset, i));
+        }
+        Ok(encoded)
+    }
+
+    fn encode_captions<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        texts: &[&str],
+        device: &B::Device,
+    ) -> Result<Vec<Encoded>, TrainError> {
+        let folder = &plan.model.tokenizers;
+        let tokenizers = (
+            CaptionTokenizer::clip(&folder.join("tokenizer"), CLIP_TOKENS)?,
+            CaptionTokenizer::clip(&folder.join("tokenizer_2"), CLIP_TOKENS)?,
+        );
+        let (clip_l, big_g) = Self::text_encoders::<B>(plan, device)?;
+        let encoded = encode_sdxl_prompt(
+            (&tokenizers.0, &tokenizers.1),
+            (&clip_l, &big_g),
+            texts,
+            TEXT_BATCH,
+        )?;
+        drop((clip_l, big_g));
+        B::memory_cleanup(device);
+        encoded
+            .into_iter()
+            .zip(texts)
+            .map(|((states, pooled), text)| {
+                check_caption("CLIP", text, &states)?;
+                check_caption("CLIP bigG", text, &pooled)?;
+                Ok(Encoded::from([
+                    (STATES.to_string(), states),
+                    (POOLED.to_string(), pooled),
+                ]))
+            })
+            .collect()
+    }
+
+    /// With a `stream`, the `Linear` weights of files load, and those of `random:` are made,
+    /// straight in host memory.
+    fn load<B: StreamTarget>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+        stream: Option<&WeightStream<TrainBackend<B>>>,
+    ) -> Result<UNet2DCondition<TrainBackend<B>>, TrainError> {
+        let dtype = float_dtype(plan);
+        let seed = plan.train.seed ^ 4;
+        TrainBackend::<B>::seed(device, seed);
+        let unet =
+            match (&plan.model.source, stream) {
+                (ModelSource::Files(files), Some(stream)) => UNetCheckpoint::open(
+                    files.get("unet"),
+                )?
+                .load_with(device, dtype, &mut into_stream(stream))?,
+                (ModelSource::Files(files), None) => {
+                    UNetCheckpoint::open(files.get("unet"))?.load(device, dtype)?
+                }
+                (ModelSource::Tiny, _) => built_on_host(
+                    seed,
+                    dtype,
+                    |host| self.config.init::<Flex>(host),
+                    self.config.init(device),
+                ),
+                (ModelSource::Random(_), stream) => {
+                    random_model(self.config.init(device), dtype, seed, stream, "UNet")?
+                }
+            };
+        Ok(unet.no_grad())
+    }
+
+    /// DDPM: a timestep drawn for each sample (`train.timestep_type` mapped onto the 1000
+    /// steps), the noise (and its offset) on the CPU, the model trained to predict ε or v; the
+    /// mean squared error of each sample (in f32), weighted by min-SNR-γ when configured,
+    /// averaged over the batch.
+    fn loss<B: FusedOps>(
+        &self,
+        plan: &TrainPlan,
+        unet: &UNet2DCondition<Autodiff<B>>,
+        batch: &[Sample<'_>],
+        rng: &mut Rng,
+        device: &B::Device,
+    ) -> (f64, GradientsParams) {
+        let x0 = stack::<B, 3, 4>(batch, |s| &s.image[LATENT], device).cast(DType::F32);
+        let [n, _, h, w] = x0.dims();
+        let timesteps = sample_timesteps(plan.train.timestep, n, h * w / 4, rng);
+        let pair = DdpmPair::new(x0, &timesteps, &plan.train.ddpm, rng, device);
+
+        let dtype = plan.model.dtype;
+        let input = UNetInput {
+            sample: Tensor::from_inner(pair.x_t.cast(dtype)),
+            timestep: Tensor::from_inner(pair.timesteps.clone()),
+            encoder_hidden_states: Tensor::from_inner(
+                stack::<B, 2, 3>(batch, |s| &s.caption[STATES], device).cast(dtype),
+            ),
+            text_embeds: Tensor::from_inner(
+                stack::<B, 1, 2>(batch, |s| &s.caption[POOLED], device).cast(dtype),
+            ),
+            time_ids: Tensor::from_inner(stack::<B, 1, 2>(batch, |s| &s.image[TIME_IDS], device)),
+        };
+        let mut tape = BlockTape::new(checkpointing(plan));
+        let prediction = unet.forward_with(input, &mut tape);
+        mse_gradients(prediction, pair.target, Some(pair.weights), tape, unet)
+    }
+}
+
+/// The encodings `of` each sample, stacked on a new first axis.
+fn stack<'a, B: Backend, const D: usize, const D2: usize>(
+    batch: &'a [Sample<'a>],
+    of: impl Fn(&'a Sample<'a>) -> &'a TensorData,
+    device: &B::Device,
+) -> Tensor<B, D2> {
+    let tensors = batch
+        .iter()
+        .map(|s| Tensor::<B, D>::from_data(of(s).clone(), device))
+        .collect();
+    Tensor::stack(tensors, 0)
+}
+
+/// The UNet of `model.path: tiny`: SDXL's blocks at widths 8, 16, 16, conditioned on the tiny
+/// CLIPs' states and bigG's projection.
+fn tiny_unet() -> UNetConfig {
+    UNetConfig {
+        block_out_channels: vec![8, 16, 16],
+        transformer_layers_per_block: vec![1, 1, 2],
+        attention_head_dim: vec![1, 1, 2],
+        cross_attention_dim: TINY_CLIP_L + TINY_BIG_G,
+        addition_time_embed_dim: 8,
+        projection_class_embeddings_input_dim: TINY_BIG_G + 6 * 8,
+        norm_num_groups: 4,
+        ..UNetConfig::sdxl()
+    }
+}
+
+/// The micro-conditioning of item `i` (`[6]`, f32): its image's size, the top-left corner of
+/// its cut-out in the resized image, and its bucket, each as (height, width).
+fn time_ids(dataset: &Dataset, i: usize) -> TensorData {
+    let item = &dataset.items()[i];
+    let (width, height) = item.size;
+    let bucket = item.bucket;
+    let fit = BucketFit::new(width, height, bucket.width, bucket.height);
+    let ids = [
+        height as f32,
+        width as f32,
+        fit.top as f32,
+        fit.left as f32,
+        bucket.height as f32,
+        bucket.width as f32,
+    ];
+    TensorData::new(ids.to_vec(), [6])
+}

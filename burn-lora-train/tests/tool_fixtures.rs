@@ -40,7 +40,7 @@ fn every_layer_of_the_model_is_adapted_in_the_fixture() {
 /// Our writer, today, writes exactly the files the tools loaded.
 #[test]
 fn the_writer_writes_the_files_the_tools_loaded() {
-    tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "");
+    tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "", &FORMATS);
 }
 
 /// ComfyUI patches every weight of every file by exactly alpha / rank · up · down.

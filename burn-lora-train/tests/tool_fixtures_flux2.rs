@@ -83,7 +83,7 @@ fn every_layer_of_the_model_is_adapted_in_the_fixture() {
 /// Our writer, today, writes exactly the files the tools loaded.
 #[test]
 fn the_writer_writes_the_files_the_tools_loaded() {
-    tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "flux2/");
+    tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "flux2/", &FORMATS);
 }
 
 /// ComfyUI patches every weight of the kohya and ai-toolkit files by exactly the trained

@@ -138,12 +138,17 @@ pub fn assert_every_layer_adapted(set: &AdapterSet, keys: &[LinearKeys]) {
 }
 
 /// Our writer, today, writes exactly the files `folder`'s `lora_<format>.safetensors` the tools
-/// loaded (keys, values, alphas, and the metadata diffusers reads), and every layout reads
-/// back to the same adapters (where the layout bakes alpha / rank into `lora_B`, to adapters of
-/// scale 1 with the same updates).
-pub fn assert_writer_writes_the_fixtures(names: &LayoutNames, set: &AdapterSet, folder: &str) {
+/// loaded for each of `formats` (keys, values, alphas, and the metadata diffusers reads), and
+/// every layout reads back to the same adapters (where the layout bakes alpha / rank into
+/// `lora_B`, to adapters of scale 1 with the same updates).
+pub fn assert_writer_writes_the_fixtures(
+    names: &LayoutNames,
+    set: &AdapterSet,
+    folder: &str,
+    formats: &[(Format, &str)],
+) {
     let dir = tempfile::tempdir().unwrap();
-    for (format, name) in FORMATS {
+    for &(format, name) in formats {
         let written = dir.path().join(format!("{name}.safetensors"));
         let options = SaveOptions {
             dtype: Some(DType::F32),

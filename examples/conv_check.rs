@@ -1,12 +1,14 @@
 //! burn-offload's cuDNN route for convolutions checked on one CUDA GPU: each convolution of a
 //! set of shapes (3×3 with padding, stride 2, 1×1, groups, dilation, bias, odd sizes) through
 //! cuDNN is compared with Burn's own kernel and with a float64 reference computed on the CPU, in
-//! f32 and in bf16; then the full-size FLUX.1 VAE encodes a 1024×1024 image through cuDNN (and
-//! with `--burn-vae` through Burn's kernels too), cold (first call: kernel compilation and
-//! tuning included) and warm.
+//! f32 and in bf16, and so are its gradients with respect to its input and filter (through
+//! cuDNN's backward passes under autodiff) against the reference; then the full-size FLUX.1 VAE
+//! encodes a 1024×1024 image through cuDNN (and with `--burn-vae` through Burn's kernels too),
+//! cold (first call: kernel compilation and tuning included) and warm. `--reference-only`
+//! leaves out Burn's kernels (whose first use of a shape tunes for seconds) and the VAE.
 //!
 //! ```text
-//! cargo run --release --features cuda --example conv_check [-- --burn-vae]
+//! cargo run --release --features cuda --example conv_check [-- --burn-vae | --reference-only]
 //! ```
 //!
 //! On the GPU machine set `CUDA_PATH=/usr/local/cuda`, and add `/usr/local/cuda/lib64` and the
@@ -15,7 +17,8 @@
 //! `Flex` in float64 on the same inputs (rounded to the tested dtype first) is the reference.
 //! cuDNN may use TF32 for f32 (as PyTorch's convolutions do) and Burn's kernels do too, so the
 //! check is that the routed result is no further from the reference than Burn's (within 25 %,
-//! plus 1e-6 in f32 and 1e-3 in bf16). The program exits with an error when a case fails or
+//! plus 1e-6 in f32 and 1e-3 in bf16); the gradients must be within 5e-3 (f32, TF32 allowed)
+//! and 2e-2 (bf16) of the reference. The program exits with an error when a case fails or
 //! when the convolutions did not go through cuDNN.
 
 mod checks;
@@ -24,8 +27,8 @@ mod timing;
 
 use std::time::Instant;
 
-use burn::backend::{Cuda, Flex};
-use burn::tensor::backend::Backend;
+use burn::backend::{Autodiff, Cuda, Flex};
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
@@ -129,6 +132,36 @@ fn outputs<B: Backend>(precision: Precision, device: &B::Device) -> Vec<TensorDa
         .collect()
 }
 
+/// Every case's gradients of `sum(output · g)` (`g` drawn like the inputs) with respect to its
+/// input and its filter, on `B`.
+fn gradients<B: AutodiffBackend>(precision: Precision, device: &B::Device) -> Vec<[TensorData; 2]> {
+    CASES
+        .iter()
+        .enumerate()
+        .map(|(i, case)| {
+            let seed = 10 * i as u64;
+            let x = input::<B, 4>(case.x, seed + 1, precision, device).require_grad();
+            let w = input::<B, 4>(case.w, seed + 2, precision, device).require_grad();
+            let options = ConvOptions::new(
+                [case.stride; 2],
+                [case.padding; 2],
+                [case.dilation; 2],
+                case.groups,
+            );
+            let y = conv2d(x.clone(), w.clone(), None, options);
+            let g = input::<B, 4>(y.dims(), seed + 4, precision, device);
+            let grads = (y * g).sum().backward();
+            [x, w].map(|t| {
+                t.grad(&grads)
+                    .expect("a gradient")
+                    .cast(precision.wide())
+                    .into_data()
+                    .convert::<f64>()
+            })
+        })
+        .collect()
+}
+
 /// Seconds for the full-size FLUX.1 VAE to encode a 1024×1024 image on `B`: the first call,
 /// then the mean of two more.
 fn vae_encode<B: burn_kernels::Kernels>(device: &B::Device) -> (f64, f64) {
@@ -153,30 +186,53 @@ fn main() {
         .init();
     clock();
     let mut failed = false;
+    let reference_only = std::env::args().any(|a| a == "--reference-only");
     for (dtype, floor) in [(DType::F32, 1e-6), (DType::BF16, 1e-3)] {
         let precision = Precision {
             input: dtype,
             compute: dtype,
         };
+        let wide = Precision {
+            input: dtype,
+            compute: DType::F64,
+        };
         let before = counters().dnn_convolutions;
         let routed = outputs::<Routed>(precision, &device);
+        let routed_gradients = gradients::<Autodiff<Routed>>(precision, &device);
         let convolutions = counters().dnn_convolutions - before;
-        let plain = outputs::<Cuda>(precision, &device);
-        let reference = outputs::<Flex>(
-            Precision {
-                input: dtype,
-                compute: DType::F64,
-            },
-            &Default::default(),
-        );
-        if convolutions != CASES.len() as u64 {
+        let reference = outputs::<Flex>(wide, &Default::default());
+        let reference_gradients = gradients::<Autodiff<Flex>>(wide, &Default::default());
+        // Each case: the forward, then the forward and both gradients under autodiff.
+        if convolutions != 4 * CASES.len() as u64 {
             eprintln!(
                 "{convolutions} of {} convolutions went through cuDNN (is libcudnn.so.9 on \
                  LD_LIBRARY_PATH?)",
-                CASES.len()
+                4 * CASES.len()
             );
             failed = true;
         }
+        let bound = if dtype == DType::F32 { 5e-3 } else { 2e-2 };
+        println!("{dtype:?}: gradients' relative error against float64 (input, filter)");
+        for ((case, got), want) in CASES
+            .iter()
+            .zip(&routed_gradients)
+            .zip(&reference_gradients)
+        {
+            let errors = [0, 1].map(|i| relative_error(&got[i], &want[i]));
+            let ok = errors.iter().all(|e| *e <= bound);
+            failed |= !ok;
+            println!(
+                "  {:<28} {:.3e}  {:.3e}  {}",
+                case.name,
+                errors[0],
+                errors[1],
+                if ok { "ok" } else { "FAILED" }
+            );
+        }
+        if reference_only {
+            continue;
+        }
+        let plain = outputs::<Cuda>(precision, &device);
         println!("{dtype:?}: relative error against float64 (cuDNN, Burn)");
         for ((case, got), (burn, want)) in
             CASES.iter().zip(&routed).zip(plain.iter().zip(&reference))
@@ -190,6 +246,9 @@ fn main() {
                 if ok { "ok" } else { "FAILED" }
             );
         }
+    }
+    if reference_only {
+        std::process::exit(i32::from(failed));
     }
     eprintln!("[{:7.1} s] VAE encode through cuDNN", clock());
     let (cold, warm) = vae_encode::<Routed>(&device);

@@ -167,6 +167,32 @@ pub trait FusedOps: Backend {
         let _ = (x, weight, conv, options);
         None
     }
+
+    /// The gradient `wanted` of [`dnn_conv2d`](Self::dnn_conv2d)'s convolution of `x` with
+    /// `weight` under `conv`, given `output_grad`, as `conv2d_x_backward` /
+    /// `conv2d_weight_backward` compute it, by the device's vendor DNN library; `None` where
+    /// [`dnn_conv2d`](Self::dnn_conv2d) would decline or `output_grad` is not the
+    /// convolution's output shape.
+    fn dnn_conv2d_backward(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        output_grad: &FloatTensor<Self>,
+        conv: &ConvOptions<2>,
+        wanted: ConvGrad,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, weight, output_grad, conv, wanted, options);
+        None
+    }
+}
+
+/// Which gradient of a 2-D convolution `y = conv(x, weight)` to compute from `y`'s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvGrad {
+    /// The input's, of `x`'s shape.
+    Input,
+    /// The filter's, of `weight`'s shape.
+    Weight,
 }
 
 /// The attention methods of [`FusedOps`] for a backend without a fused attention: the forward

@@ -64,7 +64,7 @@ mod wgpu;
 
 pub use counters::{KernelCounters, counters};
 pub use error::{KernelError, fell_back};
-pub use fused::{FusedOps, NoKernel, NormRope, UnaryOp};
+pub use fused::{ConvGrad, FusedOps, NoKernel, NormRope, UnaryOp};
 pub use kernels::{
     Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm_rope, trainable,
 };

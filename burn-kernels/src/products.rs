@@ -1,6 +1,6 @@
 //! The matrix products and convolutions of a decorator's ops on the backend it decorates:
 //! through the vendor BLAS ([`FusedOps::blas_matmul`]) or DNN library
-//! ([`FusedOps::dnn_conv2d`]) where the backend has one, the options route the op there and it
+//! ([`FusedOps::dnn_conv2d`], [`FusedOps::dnn_conv2d_backward`]) where the backend has one, the options route the op there and it
 //! takes the layouts, else through the backend's own op of the same name, so a backend without
 //! them runs exactly what it ran before.
 
@@ -8,7 +8,7 @@ use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Shape, TensorMetadata};
 
 use crate::counters::{count_blas_product, count_dnn_convolution};
-use crate::fused::FusedOps;
+use crate::fused::{ConvGrad, FusedOps};
 use crate::options::KernelOptions;
 
 /// The vendor BLAS's product, counted.
@@ -69,6 +69,26 @@ pub fn conv2d<B: FusedOps>(
     };
     let channels = bias.shape().num_elements();
     B::float_add(out, B::float_reshape(bias, Shape::new([1, channels, 1, 1])))
+}
+
+/// The gradient `wanted` of the convolution of `x` with `weight` under `conv`, given
+/// `output_grad`, as `conv2d_x_backward` / `conv2d_weight_backward`.
+pub fn conv2d_backward<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    output_grad: FloatTensor<B>,
+    conv: ConvOptions<2>,
+    wanted: ConvGrad,
+    options: &KernelOptions,
+) -> FloatTensor<B> {
+    if let Some(grad) = B::dnn_conv2d_backward(&x, &weight, &output_grad, &conv, wanted, options) {
+        count_dnn_convolution();
+        return grad;
+    }
+    match wanted {
+        ConvGrad::Input => B::conv2d_x_backward(x, weight, output_grad, conv),
+        ConvGrad::Weight => B::conv2d_weight_backward(x, weight, output_grad, conv),
+    }
 }
 
 /// `output_grad · weightᵀ`, as `linear_x_backward`.

@@ -3,7 +3,7 @@
 //! the model's separate ops then meet it and materialize it, counted in the step's stats.
 
 use burn::tensor::ops::{ConvOptions, FloatTensor};
-use burn_kernels::{FusedOps, KernelOptions, NormRope, UnaryOp};
+use burn_kernels::{ConvGrad, FusedOps, KernelOptions, NormRope, UnaryOp};
 
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
 use crate::target::StreamTarget;
@@ -128,6 +128,18 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         options: &KernelOptions,
     ) -> Option<FloatTensor<Self>> {
         B::dnn_conv2d(inner(x)?, inner(weight)?, conv, options).map(outer)
+    }
+
+    fn dnn_conv2d_backward(
+        x: &FloatTensor<Self>,
+        weight: &FloatTensor<Self>,
+        output_grad: &FloatTensor<Self>,
+        conv: &ConvOptions<2>,
+        wanted: ConvGrad,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let (x, weight, output_grad) = (inner(x)?, inner(weight)?, inner(output_grad)?);
+        B::dnn_conv2d_backward(x, weight, output_grad, conv, wanted, options).map(outer)
     }
 
     fn fused_norm_rope_backward(

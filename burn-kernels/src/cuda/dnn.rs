@@ -1,5 +1,6 @@
-//! Convolutions through cuDNN on Burn-owned buffers: the CUDA mechanism behind
-//! [`FusedOps::dnn_conv2d`](crate::FusedOps::dnn_conv2d). cuDNN's heuristics pick the algorithm
+//! Convolutions and their gradients through cuDNN on Burn-owned buffers: the CUDA mechanism
+//! behind [`FusedOps::dnn_conv2d`](crate::FusedOps::dnn_conv2d) and
+//! [`FusedOps::dnn_conv2d_backward`](crate::FusedOps::dnn_conv2d_backward). cuDNN's heuristics pick the algorithm
 //! for each shape, so a convolution costs no compilation and no timing runs on first use.
 //!
 //! cuDNN runs on a CUDA stream of its own, kept in CubeCL's order as the cuBLAS products are
@@ -15,6 +16,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cudarc::cudnn::result as dnn;
 use cudarc::cudnn::sys::{
+    cudnnConvolutionBwdDataAlgo_t, cudnnConvolutionBwdDataAlgoPerf_t,
+    cudnnConvolutionBwdFilterAlgo_t, cudnnConvolutionBwdFilterAlgoPerf_t,
     cudnnConvolutionDescriptor_t, cudnnConvolutionFwdAlgo_t, cudnnConvolutionFwdAlgoPerf_t,
     cudnnConvolutionMode_t, cudnnDataType_t, cudnnFilterDescriptor_t, cudnnHandle_t,
     cudnnMathType_t, cudnnStatus_t, cudnnTensorDescriptor_t, cudnnTensorFormat_t,
@@ -25,6 +28,7 @@ use crate::conv::ConvPlan;
 use crate::cuda::order::ordered;
 use crate::cuda::{SideContext, address};
 use crate::error::{KernelError, fell_back};
+use crate::fused::ConvGrad;
 use crate::options::{BlasRoute, KernelOptions};
 
 /// The largest workspace an algorithm may ask for; cuDNN's next choice is taken above it.
@@ -139,38 +143,40 @@ fn data_type(dtype: DType) -> Option<cudnnDataType_t> {
     }
 }
 
-/// cuDNN's first choice of forward algorithm whose workspace is within [`WORKSPACE_LIMIT`],
-/// with that workspace's size: its heuristics, no timing runs.
-fn forward_algorithm(
-    handle: cudnnHandle_t,
-    d: &Descriptors,
-) -> Result<(cudnnConvolutionFwdAlgo_t, usize), KernelError> {
-    const COUNT: usize = cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_COUNT as usize;
-    // SAFETY: cuDNN writes at most `COUNT` plain-data results, and only those it counts are read.
-    let mut perf: [cudnnConvolutionFwdAlgoPerf_t; COUNT] = unsafe { std::mem::zeroed() };
-    let mut found = 0;
-    unsafe {
-        dnn::get_convolution_forward_algorithm(
-            handle,
-            d.x,
-            d.w,
-            d.conv,
-            d.y,
-            COUNT as i32,
-            &mut found,
-            perf.as_mut_ptr(),
-        )
-    }
-    .map_err(KernelError::device(
-        "cudnnGetConvolutionForwardAlgorithm_v7",
-    ))?;
-    perf[..found.clamp(0, COUNT as i32) as usize]
-        .iter()
-        .find(|p| p.status == cudnnStatus_t::CUDNN_STATUS_SUCCESS && p.memory <= WORKSPACE_LIMIT)
-        .map(|p| (p.algo, p.memory))
-        .ok_or_else(|| {
-            KernelError::Unsupported("cuDNN has no forward algorithm for this convolution".into())
-        })
+/// cuDNN's first choice of algorithm whose workspace is within [`WORKSPACE_LIMIT`], with that
+/// workspace's size, from a `cudnnGetConvolution*Algorithm_v7` query (its heuristics, no timing
+/// runs): `$query` fills `$results` and counts them in `$found`.
+macro_rules! first_algorithm {
+    ($perf:ty, $count:expr, $name:literal, |$found:ident, $results:ident| $query:expr) => {{
+        const COUNT: usize = $count as usize;
+        // SAFETY: cuDNN writes at most `COUNT` plain-data results, and only those it counts are
+        // read.
+        let mut perf: [$perf; COUNT] = unsafe { std::mem::zeroed() };
+        let mut $found = 0;
+        let $results = perf.as_mut_ptr();
+        // SAFETY: live descriptors of one convolution and room for `COUNT` results.
+        unsafe { $query }.map_err(KernelError::device($name))?;
+        perf[..$found.clamp(0, COUNT as i32) as usize]
+            .iter()
+            .find(|p| {
+                p.status == cudnnStatus_t::CUDNN_STATUS_SUCCESS && p.memory <= WORKSPACE_LIMIT
+            })
+            .map(|p| (p.algo, p.memory))
+            .ok_or_else(|| {
+                KernelError::Unsupported(format!("{}: no algorithm for this convolution", $name))
+            })
+    }};
+}
+
+/// Which of a convolution's three products a call computes.
+#[derive(Clone, Copy, Debug)]
+enum Pass {
+    /// `y` from `x` and the filter.
+    Forward,
+    /// `dx` from the filter and `dy`.
+    Input,
+    /// The filter's gradient from `x` and `dy`.
+    Filter,
 }
 
 /// The convolution of `x` with `weight` under `options` (no bias) through cuDNN, or `None` when
@@ -181,15 +187,50 @@ pub(crate) fn conv2d(
     options: &ConvOptions<2>,
     kernel: &KernelOptions,
 ) -> Option<CubeTensor<CudaRuntime>> {
+    convolve(Pass::Forward, x, weight, None, options, kernel)
+}
+
+/// The gradient `wanted` of the convolution of `x` with `weight` under `options`, given
+/// `output_grad`, through cuDNN; `None` as [`conv2d`].
+pub(crate) fn conv2d_backward(
+    x: &CubeTensor<CudaRuntime>,
+    weight: &CubeTensor<CudaRuntime>,
+    output_grad: &CubeTensor<CudaRuntime>,
+    options: &ConvOptions<2>,
+    wanted: ConvGrad,
+    kernel: &KernelOptions,
+) -> Option<CubeTensor<CudaRuntime>> {
+    let pass = match wanted {
+        ConvGrad::Input => Pass::Input,
+        ConvGrad::Weight => Pass::Filter,
+    };
+    convolve(pass, x, weight, Some(output_grad), options, kernel)
+}
+
+/// `pass` of the convolution of `x` with `weight` (`dy` its output's gradient for the backward
+/// passes), or `None` as [`conv2d`].
+fn convolve(
+    pass: Pass,
+    x: &CubeTensor<CudaRuntime>,
+    weight: &CubeTensor<CudaRuntime>,
+    dy: Option<&CubeTensor<CudaRuntime>>,
+    options: &ConvOptions<2>,
+    kernel: &KernelOptions,
+) -> Option<CubeTensor<CudaRuntime>> {
+    let operands = [Some(x), Some(weight), dy];
     if kernel.blas == BlasRoute::Off
-        || x.dtype != weight.dtype
-        || x.qparams.is_some()
-        || weight.qparams.is_some()
+        || operands
+            .iter()
+            .flatten()
+            .any(|t| t.dtype != x.dtype || t.qparams.is_some())
     {
         return None;
     }
     let dtype = data_type(x.dtype)?;
     let shape = ConvPlan::new(x.meta.shape(), weight.meta.shape(), options)?;
+    if dy.is_some_and(|dy| *dy.meta.shape() != shape.output_shape()) {
+        return None;
+    }
     // Without cuDNN (no libcudnn), nothing is copied or allocated before falling back.
     let (dnn, side) = match SideContext::of(&x.device).and_then(|side| Ok((side.dnn()?, side))) {
         Ok(found) => found,
@@ -198,50 +239,151 @@ pub(crate) fn conv2d(
             return None;
         }
     };
-    let (x, weight) = (into_contiguous(x.clone()), into_contiguous(weight.clone()));
+    let contiguous = |t: Option<&CubeTensor<CudaRuntime>>| t.map(|t| into_contiguous(t.clone()));
+    let (x, weight, dy) = (
+        contiguous(Some(x)),
+        contiguous(Some(weight)),
+        contiguous(dy),
+    );
+    let (x, weight) = (x.expect("given"), weight.expect("given"));
     let client = &x.client;
-    let out_shape = shape.output_shape();
-    let out = client.empty(out_shape.num_elements() * x.dtype.size());
-    let run = || -> Result<(), KernelError> {
-        let dnn = dnn.lock().unwrap();
-        side.context()
-            .bind_to_thread()
-            .map_err(KernelError::device("binding the CUDA context"))?;
-        let descriptors = Descriptors::new(&shape, dtype)?;
-        let (algorithm, workspace_bytes) = forward_algorithm(dnn.handle, &descriptors)?;
-        let workspace = client.empty(workspace_bytes.max(1));
-        let resolve = |handle| {
-            address(client, handle).ok_or(KernelError::Unsupported(
-                "a buffer CubeCL cannot resolve".into(),
-            ))
-        };
-        let [px, pw, py, pws] = [&x.handle, &weight.handle, &out, &workspace].map(resolve);
-        let (px, pw, py, pws) = (px?, pw?, py?, pws?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        ordered(client, &side, &dnn.stream, kernel.order, || {
-            // SAFETY: the descriptors describe the contiguous buffers behind the addresses
-            // (`out` and the workspace were allocated for them); the ordering keeps every other
-            // use of them out of the convolution's way.
-            unsafe {
-                dnn::convolution_forward(
-                    dnn.handle,
-                    (&alpha as *const f32).cast::<c_void>(),
-                    descriptors.x,
-                    px as *const c_void,
-                    descriptors.w,
-                    pw as *const c_void,
-                    descriptors.conv,
-                    algorithm,
-                    pws as *mut c_void,
-                    workspace_bytes,
-                    (&beta as *const f32).cast::<c_void>(),
-                    descriptors.y,
-                    py as *mut c_void,
-                )
-            }
-            .map_err(KernelError::device("cudnnConvolutionForward"))
-        })
+    let out_shape = match pass {
+        Pass::Forward => shape.output_shape(),
+        Pass::Input => x.meta.shape().clone(),
+        Pass::Filter => weight.meta.shape().clone(),
     };
+    let out = client.empty(out_shape.num_elements() * x.dtype.size());
+    let run =
+        || -> Result<(), KernelError> {
+            let dnn = dnn.lock().unwrap();
+            side.context()
+                .bind_to_thread()
+                .map_err(KernelError::device("binding the CUDA context"))?;
+            let d = Descriptors::new(&shape, dtype)?;
+            let h = dnn.handle;
+            let (algorithm, workspace_bytes) =
+                match pass {
+                    Pass::Forward => first_algorithm!(
+                        cudnnConvolutionFwdAlgoPerf_t,
+                        cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+                        "cudnnGetConvolutionForwardAlgorithm_v7",
+                        |found, results| dnn::get_convolution_forward_algorithm(
+                            h,
+                            d.x,
+                            d.w,
+                            d.conv,
+                            d.y,
+                            COUNT as i32,
+                            &mut found,
+                            results
+                        )
+                    )
+                    .map(|(algo, bytes)| (Algorithm::Forward(algo), bytes))?,
+                    Pass::Input => first_algorithm!(
+                        cudnnConvolutionBwdDataAlgoPerf_t,
+                        cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+                        "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+                        |found, results| dnn::get_convolution_backward_data_algorithm(
+                            h,
+                            d.w,
+                            d.y,
+                            d.conv,
+                            d.x,
+                            COUNT as i32,
+                            &mut found,
+                            results
+                        )
+                    )
+                    .map(|(algo, bytes)| (Algorithm::Input(algo), bytes))?,
+                    Pass::Filter => {
+                        first_algorithm!(
+                cudnnConvolutionBwdFilterAlgoPerf_t,
+                cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+                "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+                |found, results| dnn::get_convolution_backward_filter_algorithm(
+                    h, d.x, d.y, d.conv, d.w, COUNT as i32, &mut found, results
+                )
+            )
+                        .map(|(algo, bytes)| (Algorithm::Filter(algo), bytes))?
+                    }
+                };
+            let workspace = client.empty(workspace_bytes.max(1));
+            let resolve = |handle| {
+                address(client, handle).ok_or(KernelError::Unsupported(
+                    "a buffer CubeCL cannot resolve".into(),
+                ))
+            };
+            let (px, pw, pout, pws) = (
+                resolve(&x.handle)?,
+                resolve(&weight.handle)?,
+                resolve(&out)?,
+                resolve(&workspace)?,
+            );
+            let pdy = dy.as_ref().map(|dy| resolve(&dy.handle)).transpose()?;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let (alpha, beta) = (
+                (&alpha as *const f32).cast::<c_void>(),
+                (&beta as *const f32).cast::<c_void>(),
+            );
+            let ws = pws as *mut c_void;
+            ordered(client, &side, &dnn.stream, kernel.order, || {
+                // SAFETY: the descriptors describe the contiguous buffers behind the addresses
+                // (`out` and the workspace were allocated for them, `dy` was checked to be the
+                // output's shape); the ordering keeps every other use of them out of the
+                // convolution's way.
+                unsafe {
+                    match (algorithm, pdy) {
+                        (Algorithm::Forward(algo), _) => dnn::convolution_forward(
+                            h,
+                            alpha,
+                            d.x,
+                            px as _,
+                            d.w,
+                            pw as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.y,
+                            pout as _,
+                        ),
+                        (Algorithm::Input(algo), Some(pdy)) => dnn::convolution_backward_data(
+                            h,
+                            alpha,
+                            d.w,
+                            pw as _,
+                            d.y,
+                            pdy as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.x,
+                            pout as _,
+                        ),
+                        (Algorithm::Filter(algo), Some(pdy)) => dnn::convolution_backward_filter(
+                            h,
+                            alpha,
+                            d.x,
+                            px as _,
+                            d.y,
+                            pdy as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.w,
+                            pout as _,
+                        ),
+                        (_, None) => unreachable!("the backward passes are given dy"),
+                    }
+                }
+                .map_err(KernelError::device("a cuDNN convolution"))
+            })
+        };
     if let Err(error) = run() {
         fell_back("cuDNN convolution", &error);
         return None;
@@ -253,4 +395,12 @@ pub(crate) fn conv2d(
         out,
         x.dtype,
     ))
+}
+
+/// The algorithm cuDNN chose for a pass.
+#[derive(Clone, Copy)]
+enum Algorithm {
+    Forward(cudnnConvolutionFwdAlgo_t),
+    Input(cudnnConvolutionBwdDataAlgo_t),
+    Filter(cudnnConvolutionBwdFilterAlgo_t),
 }

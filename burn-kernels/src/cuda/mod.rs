@@ -28,7 +28,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::cube::elementwise_ops;
 use crate::error::KernelError;
-use crate::fused::FusedOps;
+use crate::fused::{ConvGrad, FusedOps};
 use crate::options::{BlasRoute, KernelOptions};
 
 pub use flash::FlashSaved;
@@ -238,5 +238,16 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         options: &KernelOptions,
     ) -> Option<CubeTensor<CudaRuntime>> {
         dnn::conv2d(x, weight, conv, options)
+    }
+
+    fn dnn_conv2d_backward(
+        x: &CubeTensor<CudaRuntime>,
+        weight: &CubeTensor<CudaRuntime>,
+        output_grad: &CubeTensor<CudaRuntime>,
+        conv: &ConvOptions<2>,
+        wanted: ConvGrad,
+        options: &KernelOptions,
+    ) -> Option<CubeTensor<CudaRuntime>> {
+        dnn::conv2d_backward(x, weight, output_grad, conv, wanted, options)
     }
 }

@@ -252,7 +252,7 @@ impl Family for Sdxl {
             CaptionTokenizer::clip(&folder.join("tokenizer"), CLIP_TOKENS)?,
             CaptionTokenizer::clip(&folder.join("tokenizer_2"), CLIP_TOKENS)?,
         );
-        let (clip_l, big_g) = Self::text_encoders::<B>(plan, device)?;
+        let (clip_l, big_g) = Self::text_encoders::<Offload<B>>(plan, device)?;
         let encoded = encode_sdxl_prompt(
             (&tokenizers.0, &tokenizers.1),
             (&clip_l, &big_g),

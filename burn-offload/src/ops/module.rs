@@ -9,7 +9,7 @@ use burn::tensor::ops::{
     DeformConvOptions, FloatTensor, IntTensor, InterpolateOptions, MaxPool1dBackward,
     MaxPool1dWithIndices, MaxPool2dBackward, MaxPool2dWithIndices, ModuleOps, UnfoldOptions,
 };
-use burn_kernels::{KernelOptions, products};
+use burn_kernels::{ConvGrad, KernelOptions, products};
 
 use super::{
     forward, keep, lift, lift_deform_backward, lift_pair, lift_pool1d, lift_pool1d_backward,
@@ -105,6 +105,24 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         ))
     }
 
+    fn conv2d_x_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        conv2d_backward::<B>(x, weight, output_grad, options, ConvGrad::Input)
+    }
+
+    fn conv2d_weight_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        conv2d_backward::<B>(x, weight, output_grad, options, ConvGrad::Weight)
+    }
+
     forward! {
         lift fn embedding(
             lower weights: FloatTensor<Self>,
@@ -138,18 +156,6 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             lower x: FloatTensor<Self>,
             lower bias: FloatTensor<Self>,
             lower output_grad: FloatTensor<Self>,
-        ) -> FloatTensor<Self>;
-        lift fn conv2d_x_backward(
-            lower x: FloatTensor<Self>,
-            lower weight: FloatTensor<Self>,
-            lower output_grad: FloatTensor<Self>,
-            keep options: ConvOptions<2>,
-        ) -> FloatTensor<Self>;
-        lift fn conv2d_weight_backward(
-            lower x: FloatTensor<Self>,
-            lower weight: FloatTensor<Self>,
-            lower output_grad: FloatTensor<Self>,
-            keep options: ConvOptions<2>,
         ) -> FloatTensor<Self>;
         lift fn conv2d_bias_backward(
             lower x: FloatTensor<Self>,
@@ -424,4 +430,22 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             keep n: Option<usize>,
         ) -> FloatTensor<Self>;
     }
+}
+
+/// `wanted` of a convolution's gradients on the inner backend ([`products::conv2d_backward`]).
+fn conv2d_backward<B: StreamTarget>(
+    x: OffloadTensor<B>,
+    weight: OffloadTensor<B>,
+    output_grad: OffloadTensor<B>,
+    options: ConvOptions<2>,
+    wanted: ConvGrad,
+) -> OffloadTensor<B> {
+    lift(products::conv2d_backward::<B>(
+        lower(x),
+        lower(weight),
+        lower(output_grad),
+        options,
+        wanted,
+        &KernelOptions::current(),
+    ))
 }

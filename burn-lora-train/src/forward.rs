@@ -1,7 +1,7 @@
-//! `burnlora forward`: one forward pass of the FLUX.1 or FLUX.2 transformer from files, to
-//! compare with diffusers.
+//! `burnlora forward`: one forward pass of the FLUX.1 or FLUX.2 transformer or of the SDXL
+//! UNet from files, to compare with diffusers.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -9,18 +9,24 @@ use burn::tensor::FloatDType;
 use burn_diffusion::LoadError;
 use burn_diffusion::flux::forward_file;
 use burn_diffusion::flux2::Flux2Checkpoint;
+use burn_diffusion::sdxl::{SGM_UNET_PREFIX, UNetCheckpoint};
+use burn_quant::Checkpoint;
 
 /// Arguments of `burnlora forward`.
 #[derive(clap::Args)]
 pub struct ForwardArgs {
-    /// The transformer (FLUX.1 or FLUX.2, recognised from its files): a diffusers folder (with
-    /// `transformer/config.json`) or a BFL-layout `.safetensors` file (bf16, f32 or scaled FP8).
+    /// The denoiser, recognised from its files: the FLUX.1 or FLUX.2 transformer (a diffusers
+    /// folder with `transformer/config.json`, or a BFL-layout `.safetensors` file: bf16, f32 or
+    /// scaled FP8) or the SDXL UNet (a diffusers folder with `unet/config.json`, or the
+    /// original all-in-one file, `model.diffusion_model.*`).
     #[arg(long)]
     model: PathBuf,
     /// Inputs under diffusers' argument names: `hidden_states` [B, N, C],
     /// `encoder_hidden_states` [B, T, D], `pooled_projections` [B, P], `timestep` [B] (σ in
     /// [0, 1]), `guidance` [B] (models with guidance), `img_ids` [N, 3], `txt_ids` [T, 3]; for
-    /// FLUX.2 the same without `pooled_projections`, with ids [N, 4] and [T, 4].
+    /// FLUX.2 the same without `pooled_projections`, with ids [N, 4] and [T, 4]; for SDXL
+    /// `sample` [B, 4, H, W], `timestep` [B] (0 to 999), `encoder_hidden_states` [B, 77, 2048],
+    /// `text_embeds` [B, 1280], `time_ids` [B, 6] (diffusers' `added_cond_kwargs` flattened).
     #[arg(long)]
     inputs: PathBuf,
     /// Output `.safetensors` file (written atomically); the result is stored under `output`.
@@ -66,9 +72,12 @@ type Device = burn::backend::Cuda;
 #[cfg(not(feature = "cuda"))]
 type Device = burn::backend::Flex;
 
-/// The FLUX.2 transformer's pass when the model is a FLUX.2 checkpoint, else FLUX.1's.
+/// The SDXL UNet's pass when the model is one, the FLUX.2 transformer's when the model is a
+/// FLUX.2 checkpoint, else FLUX.1's.
 fn forward_on_device(args: &ForwardArgs, dtype: FloatDType) -> Result<Vec<usize>, LoadError> {
-    let forward = if Flux2Checkpoint::open(&args.model).is_ok() {
+    let forward = if is_sdxl(&args.model) {
+        burn_diffusion::sdxl::forward_file::<Device>
+    } else if Flux2Checkpoint::open(&args.model).is_ok() {
         burn_diffusion::flux2::forward_file::<Device>
     } else {
         forward_file::<Device>
@@ -80,4 +89,15 @@ fn forward_on_device(args: &ForwardArgs, dtype: FloatDType) -> Result<Vec<usize>
         dtype,
         &Default::default(),
     )
+}
+
+/// Whether `model` is an SDXL UNet: a diffusers folder with `unet/config.json` (or that
+/// folder), or a single file holding `model.diffusion_model.` tensors.
+fn is_sdxl(model: &Path) -> bool {
+    if model.is_dir() {
+        return model.join("unet/config.json").is_file()
+            || (model.join("config.json").is_file() && UNetCheckpoint::open(model).is_ok());
+    }
+    Checkpoint::open(model)
+        .is_ok_and(|file| file.tensors().any(|t| t.name.starts_with(SGM_UNET_PREFIX)))
 }

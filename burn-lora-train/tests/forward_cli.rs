@@ -64,3 +64,42 @@ fn forward_runs_either_family_from_its_files() {
         assert!(error <= 1e-5, "{case}: relative error {error:.2e}");
     }
 }
+
+/// The SDXL UNet of burn-diffusion's parity fixture, from its diffusers folder, on the inputs of
+/// its io file under diffusers' argument names (`added_cond_kwargs` flattened).
+#[test]
+fn forward_runs_the_sdxl_unet_under_diffusers_argument_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let io = fixture("sdxl/io.safetensors");
+    let bytes = std::fs::read(&io).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let inputs: Vec<(String, safetensors::tensor::TensorView)> = file
+        .iter()
+        .filter(|(name, _)| *name != "output")
+        .map(|(name, view)| (name.to_string(), view))
+        .collect();
+    assert_eq!(inputs.len(), 5);
+    let input_file = dir.path().join("inputs.safetensors");
+    safetensors::serialize_to_file(inputs, None, &input_file).unwrap();
+    let output = dir.path().join("out.safetensors");
+    let out = Command::new(env!("CARGO_BIN_EXE_burnlora"))
+        .arg("forward")
+        .arg("--model")
+        .arg(fixture("sdxl"))
+        .arg("--inputs")
+        .arg(&input_file)
+        .arg("--output")
+        .arg(&output)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (found, expected) = (read(&output, "output"), read(&io, "output"));
+    assert_eq!(found.len(), expected.len());
+    let diff: f64 = found
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
+    let norm: f64 = expected.iter().map(|b| (*b as f64).powi(2)).sum();
+    assert!((diff / norm).sqrt() <= 1e-5, "{}", (diff / norm).sqrt());
+}

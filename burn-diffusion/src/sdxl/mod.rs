@@ -34,6 +34,7 @@ mod config;
 mod keys;
 mod load;
 mod model;
+mod run;
 
 pub use config::UNetConfig;
 pub use keys::{ModuleKind, SGM_UNET_PREFIX, UNetLayout, UNetModule, lora_names, unet_modules};
@@ -43,3 +44,4 @@ pub use model::{
     FeedForward, Geglu, ResnetBlock2D, TimestepEmbedding, Transformer2DModel, UNet2DCondition,
     UNetInput, UNetMidBlock2DCrossAttn, Upsample2D,
 };
+pub use run::forward_file;

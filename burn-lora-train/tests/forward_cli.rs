@@ -92,7 +92,11 @@ fn forward_runs_the_sdxl_unet_under_diffusers_argument_names() {
         .arg(&output)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (found, expected) = (read(&output, "output"), read(&io, "output"));
     assert_eq!(found.len(), expected.len());
     let diff: f64 = found

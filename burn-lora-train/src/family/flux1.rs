@@ -12,7 +12,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, Tensor};
 use burn_diffusion::BlockTape;
 use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel};
 use burn_diffusion::flux::{Flux, FluxCheckpoint, FluxConfig, FluxInput};
@@ -20,16 +20,16 @@ use burn_diffusion::materialize;
 use burn_diffusion::pipeline::{encode_clip_pooled, encode_t5, image_ids, pack_latents, text_ids};
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
-use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_kernels::{FusedOps, Kernels};
+use burn_diffusion::vae::VaeConfig;
+use burn_kernels::FusedOps;
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::FlowPair;
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, encoder_stream, into_stream, mse_gradients, random_model, source_name,
-    streamed,
+    encode_vae_latents, encoder_stream, f32_vae, into_stream, mse_gradients, random_model,
+    source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -96,38 +96,6 @@ impl Flux1 {
             ModelSource::Tiny => TINY_TOKENS,
             _ => CLIP_TOKENS,
         }
-    }
-
-    /// The VAE, on `device` in f32 whatever the model's dtype, as kohya's `--no_half_vae` and
-    /// diffusers' `force_upcast` run it: it encodes each image once (the latents are cached),
-    /// and in bf16 on CUDA Burn 0.21's convolution turns part of the first layer's output (3
-    /// input channels) into NaN (benches/RESULTS.md, `examples/vae_check.rs`).
-    fn vae<B: Kernels>(
-        plan: &TrainPlan,
-        device: &B::Device,
-    ) -> Result<AutoencoderKl<B>, TrainError> {
-        let dtype = FloatDType::F32;
-        B::seed(device, plan.train.seed ^ 1);
-        Ok(match &plan.model.source {
-            ModelSource::Tiny => {
-                let config = VaeConfig {
-                    block_out_channels: vec![8, 8, 8, 8],
-                    layers_per_block: 1,
-                    norm_num_groups: 4,
-                    ..VaeConfig::flux()
-                };
-                built_on_host(
-                    plan.train.seed ^ 1,
-                    dtype,
-                    |host| config.init::<Flex>(host),
-                    config.init::<B>(device),
-                )
-            }
-            ModelSource::Random(_) => materialize(VaeConfig::flux().init::<B>(device), dtype),
-            ModelSource::Files(files) => {
-                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
-            }
-        })
     }
 
     /// CLIP-L and T5 in the model's dtype, on `device`; with a `stream`, T5's `Linear` weights
@@ -226,7 +194,7 @@ impl Family for Flux1 {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = Self::vae::<Offload<B>>(plan, device)?;
+        let vae = f32_vae::<Offload<B>>(plan, device, VaeConfig::flux())?;
         encode_vae_latents(vae, plan, dataset, items, LATENT, device)
     }
 

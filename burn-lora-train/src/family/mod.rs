@@ -17,13 +17,13 @@ mod sdxl;
 
 use std::collections::BTreeMap;
 
-use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
-use burn_diffusion::vae::AutoencoderKl;
+use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
 use burn_diffusion::{BlockTape, Checkpointing, materialize, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
@@ -32,6 +32,7 @@ use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::{Dataset, DatasetError};
 use crate::error::TrainError;
+use crate::models::built_on_host;
 use crate::rng::Rng;
 
 pub use flux1::Flux1;
@@ -270,6 +271,39 @@ pub fn encode_images_by_bucket<B: Kernels>(
         .into_iter()
         .map(|e| e.expect("every item encoded"))
         .collect())
+}
+
+/// The VAE of `preset`'s kind for `plan`'s model, on `device` in f32 whatever the model's dtype,
+/// as kohya's `--no_half_vae` and diffusers' `force_upcast` run it: it encodes each image once
+/// (the latents are cached), and in bf16 on CUDA Burn 0.21's convolution turns part of the
+/// first layer's output (3 input channels) into NaN (benches/RESULTS.md,
+/// `examples/vae_check.rs`). `tiny` builds a small random one seeded from the run's seed,
+/// `random:` the preset with random weights, files load the `vae` component.
+pub fn f32_vae<B: Kernels>(
+    plan: &TrainPlan,
+    device: &B::Device,
+    preset: VaeConfig,
+) -> Result<AutoencoderKl<B>, TrainError> {
+    let dtype = FloatDType::F32;
+    B::seed(device, plan.train.seed ^ 1);
+    Ok(match &plan.model.source {
+        ModelSource::Tiny => {
+            let config = VaeConfig {
+                block_out_channels: vec![8, 8, 8, 8],
+                layers_per_block: 1,
+                norm_num_groups: 4,
+                ..preset
+            };
+            built_on_host(
+                plan.train.seed ^ 1,
+                dtype,
+                |host| config.init::<Flex>(host),
+                config.init::<B>(device),
+            )
+        }
+        ModelSource::Random(_) => materialize(preset.init::<B>(device), dtype),
+        ModelSource::Files(files) => VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?,
+    })
 }
 
 /// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in f32, kept in the

@@ -22,7 +22,7 @@ use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel, SgmTex
 use burn_diffusion::pipeline::{BucketFit, encode_sdxl_prompt};
 use burn_diffusion::sdxl::{UNet2DCondition, UNetCheckpoint, UNetConfig, UNetInput};
 use burn_diffusion::tokenize::CaptionTokenizer;
-use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
+use burn_diffusion::vae::VaeConfig;
 use burn_diffusion::{BlockTape, materialize};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
@@ -32,7 +32,7 @@ use burn_quant::Checkpoint;
 use super::ddpm::{DdpmPair, sample_timesteps};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, into_stream, mse_gradients, random_model, source_name,
+    encode_vae_latents, f32_vae, into_stream, mse_gradients, random_model, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -85,35 +85,6 @@ impl Sdxl {
             ModelSource::Files(files) => UNetCheckpoint::open(files.get("unet"))?.config().clone(),
         };
         Ok(Self { config })
-    }
-
-    /// The VAE in f32 on `device`.
-    fn vae<B: Kernels>(
-        plan: &TrainPlan,
-        device: &B::Device,
-    ) -> Result<AutoencoderKl<B>, TrainError> {
-        let dtype = FloatDType::F32;
-        B::seed(device, plan.train.seed ^ 1);
-        Ok(match &plan.model.source {
-            ModelSource::Tiny => {
-                let config = VaeConfig {
-                    block_out_channels: vec![8, 8, 8, 8],
-                    layers_per_block: 1,
-                    norm_num_groups: 4,
-                    ..VaeConfig::sdxl()
-                };
-                built_on_host(
-                    plan.train.seed ^ 1,
-                    dtype,
-                    |host| config.init::<Flex>(host),
-                    config.init::<B>(device),
-                )
-            }
-            ModelSource::Random(_) => materialize(VaeConfig::sdxl().init::<B>(device), dtype),
-            ModelSource::Files(files) => {
-                VaeCheckpoint::open(files.get("vae"))?.load(device, dtype)?
-            }
-        })
     }
 
     /// CLIP-L and bigG in the model's dtype on `device`.
@@ -233,7 +204,7 @@ impl Family for Sdxl {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = Self::vae::<Offload<B>>(plan, device)?;
+        let vae = f32_vae::<Offload<B>>(plan, device, VaeConfig::sdxl())?;
         let mut encoded = encode_vae_latents(vae, plan, dataset, items, LATENT, device)?;
         for (encoding, &i) in encoded.iter_mut().zip(items) {
             encoding.insert(TIME_IDS.to_string(), time_ids(dataset, i));

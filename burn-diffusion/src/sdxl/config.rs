@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::UNetLayout;
 use crate::error::LoadError;
+use crate::vae::check_group_norm;
 use crate::weights::read_json;
 
 /// diffusers' name of a level without attention.
@@ -205,18 +206,7 @@ impl UNetConfig {
         if self.layers_per_block == 0 {
             return Err("layers_per_block is 0".into());
         }
-        let groups = self.norm_num_groups;
-        if groups == 0
-            || self
-                .block_out_channels
-                .iter()
-                .any(|c| !c.is_multiple_of(groups))
-        {
-            return Err(format!(
-                "norm_num_groups {groups} does not divide every width of {:?}",
-                self.block_out_channels
-            ));
-        }
+        check_group_norm(self.norm_num_groups, &self.block_out_channels)?;
         if !self.block_out_channels[0].is_multiple_of(2)
             || !self.addition_time_embed_dim.is_multiple_of(2)
         {

@@ -126,18 +126,7 @@ impl VaeConfig {
         if self.block_out_channels.is_empty() {
             return Err("block_out_channels is empty".into());
         }
-        let groups = self.norm_num_groups;
-        if groups == 0
-            || self
-                .block_out_channels
-                .iter()
-                .any(|c| !c.is_multiple_of(groups))
-        {
-            return Err(format!(
-                "norm_num_groups {groups} does not divide every width of {:?}",
-                self.block_out_channels
-            ));
-        }
+        check_group_norm(self.norm_num_groups, &self.block_out_channels)?;
         if self.scaling_factor == 0.0 {
             return Err("scaling_factor is 0".into());
         }
@@ -382,6 +371,16 @@ fn silu() -> String {
 }
 fn yes() -> bool {
     true
+}
+
+/// An error unless `groups` (a group norm's) divides every width of `widths`.
+pub(crate) fn check_group_norm(groups: usize, widths: &[usize]) -> Result<(), String> {
+    if groups == 0 || widths.iter().any(|c| !c.is_multiple_of(groups)) {
+        return Err(format!(
+            "norm_num_groups {groups} does not divide every width of {widths:?}"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ mod keys;
 mod load;
 mod model;
 
+pub(crate) use config::check_group_norm;
 pub use config::{LatentBatchNormConfig, VaeConfig};
 pub use keys::VaeLayout;
 pub use load::VaeCheckpoint;

@@ -9,7 +9,6 @@
 //! folders, FP8 files). Every float parameter is brought to the model's dtype, except the VAE's.
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
@@ -28,8 +27,8 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::FlowPair;
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, encoder_stream, f32_vae, into_stream, mse_gradients, random_model,
-    source_name, streamed,
+    encode_vae_latents, encoder_stream, f32_vae, into_stream, load_denoiser, mse_gradients,
+    random_model, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -238,28 +237,21 @@ impl Family for Flux1 {
         device: &B::Device,
         stream: Option<&WeightStream<TrainBackend<B>>>,
     ) -> Result<Flux<TrainBackend<B>>, TrainError> {
-        let dtype = float_dtype(plan);
-        let seed = plan.train.seed ^ 4;
-        TrainBackend::<B>::seed(device, seed);
-        let flux = match (&plan.model.source, stream) {
-            (ModelSource::Files(files), Some(stream)) => FluxCheckpoint::open(
-                files.get("transformer"),
-            )?
-            .load_with(device, dtype, &mut into_stream(stream))?,
-            (ModelSource::Files(files), None) => {
-                Flux::load(files.get("transformer"), device, dtype)?
-            }
-            (ModelSource::Tiny, _) => built_on_host(
-                seed,
-                dtype,
-                |host| self.config.init::<Flex>(host),
-                self.config.init(device),
-            ),
-            (ModelSource::Random(_), stream) => {
-                random_model(self.config.init(device), dtype, seed, stream, "transformer")?
-            }
-        };
-        Ok(flux.no_grad())
+        load_denoiser(
+            plan,
+            device,
+            stream,
+            "transformer",
+            |host| self.config.init::<Flex>(host),
+            || self.config.init(device),
+            |files, dtype, place| {
+                let path = files.get("transformer");
+                Ok(match place {
+                    Some(place) => FluxCheckpoint::open(path)?.load_with(device, dtype, place)?,
+                    None => Flux::load(path, device, dtype)?,
+                })
+            },
+        )
     }
 
     /// Flow matching: σ drawn for each sample, then the batch's noise on the CPU (`Flex` seeded
@@ -322,6 +314,7 @@ impl Family for Flux1 {
 mod tests {
     use std::path::Path;
 
+    use burn::module::Module;
     use burn_offload::OffloadConfig;
 
     use super::*;

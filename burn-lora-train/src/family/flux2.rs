@@ -13,7 +13,6 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
@@ -34,8 +33,8 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::FlowPair;
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, encoder_stream, into_stream, mse_gradients, random_model, source_name,
-    streamed,
+    encode_vae_latents, encoder_stream, into_stream, load_denoiser, mse_gradients, random_model,
+    source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -376,28 +375,21 @@ impl Family for Flux2Family {
         device: &B::Device,
         stream: Option<&WeightStream<TrainBackend<B>>>,
     ) -> Result<Flux2<TrainBackend<B>>, TrainError> {
-        let dtype = float_dtype(plan);
-        let seed = plan.train.seed ^ 4;
-        TrainBackend::<B>::seed(device, seed);
-        let flux = match (&plan.model.source, stream) {
-            (ModelSource::Files(files), Some(stream)) => Flux2Checkpoint::open(
-                files.get("transformer"),
-            )?
-            .load_with(device, dtype, &mut into_stream(stream))?,
-            (ModelSource::Files(files), None) => {
-                Flux2::load(files.get("transformer"), device, dtype)?
-            }
-            (ModelSource::Tiny, _) => built_on_host(
-                seed,
-                dtype,
-                |host| self.config.init::<Flex>(host),
-                self.config.init(device),
-            ),
-            (ModelSource::Random(_), stream) => {
-                random_model(self.config.init(device), dtype, seed, stream, "transformer")?
-            }
-        };
-        Ok(flux.no_grad())
+        load_denoiser(
+            plan,
+            device,
+            stream,
+            "transformer",
+            |host| self.config.init::<Flex>(host),
+            || self.config.init(device),
+            |files, dtype, place| {
+                let path = files.get("transformer");
+                Ok(match place {
+                    Some(place) => Flux2Checkpoint::open(path)?.load_with(device, dtype, place)?,
+                    None => Flux2::load(path, device, dtype)?,
+                })
+            },
+        )
     }
 
     /// Flow matching as for FLUX.1, on the packed latents `[n, h·w, 128]`: σ drawn for each

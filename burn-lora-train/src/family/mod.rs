@@ -18,21 +18,22 @@ mod sdxl;
 use std::collections::BTreeMap;
 
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::flex::FlexDevice;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, Checkpointing, materialize, random_placed};
+use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight, materialize, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 
-use crate::config::{ModelSource, TrainPlan};
+use crate::config::{ModelFiles, ModelSource, TrainPlan};
 use crate::dataset::{Dataset, DatasetError};
 use crate::error::TrainError;
-use crate::models::built_on_host;
+use crate::models::{built_on_host, float_dtype};
 use crate::rng::Rng;
 
 pub use flux1::Flux1;
@@ -368,6 +369,38 @@ pub fn random_model<OB: OffloadBackend, M: Module<OB>>(
             .map_err(|source| TrainError::Random { model, source }),
         None => Ok(materialize(init, dtype)),
     }
+}
+
+/// The denoiser of `plan`'s model with every parameter frozen, from the seed `plan.train.seed ^
+/// 4`: files by `open` (with a `stream`, handed its placement, so that the weight matrices load
+/// straight into host memory), `tiny` by `init_host` on the CPU and copied to the device (so that
+/// every backend trains the same model), `random:` by `init` (lazily initialized; with a
+/// `stream` its matrices are made in host memory). `name` names the model in errors.
+pub fn load_denoiser<B: StreamTarget, M: Module<TrainBackend<B>>, H: Module<Flex>>(
+    plan: &TrainPlan,
+    device: &B::Device,
+    stream: Option<&WeightStream<TrainBackend<B>>>,
+    name: &'static str,
+    init_host: impl FnOnce(&FlexDevice) -> H,
+    init: impl FnOnce() -> M,
+    open: impl FnOnce(
+        &ModelFiles,
+        FloatDType,
+        Option<&mut PlaceWeight<'_, TrainBackend<B>>>,
+    ) -> Result<M, TrainError>,
+) -> Result<M, TrainError> {
+    let dtype = float_dtype(plan);
+    let seed = plan.train.seed ^ 4;
+    TrainBackend::<B>::seed(device, seed);
+    let model = match &plan.model.source {
+        ModelSource::Files(files) => match stream {
+            Some(stream) => open(files, dtype, Some(&mut into_stream(stream)))?,
+            None => open(files, dtype, None)?,
+        },
+        ModelSource::Tiny => built_on_host(seed, dtype, init_host, init()),
+        ModelSource::Random(_) => random_model(init(), dtype, seed, stream, name)?,
+    };
+    Ok(model.no_grad())
 }
 
 /// The placement a loader hands weight matrices to ([`burn_diffusion::PlaceWeight`]): each

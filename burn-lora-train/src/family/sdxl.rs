@@ -13,7 +13,6 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
@@ -32,7 +31,7 @@ use burn_quant::Checkpoint;
 use super::ddpm::{DdpmPair, sample_timesteps};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, f32_vae, into_stream, mse_gradients, random_model, source_name,
+    encode_vae_latents, f32_vae, load_denoiser, mse_gradients, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -254,29 +253,21 @@ impl Family for Sdxl {
         device: &B::Device,
         stream: Option<&WeightStream<TrainBackend<B>>>,
     ) -> Result<UNet2DCondition<TrainBackend<B>>, TrainError> {
-        let dtype = float_dtype(plan);
-        let seed = plan.train.seed ^ 4;
-        TrainBackend::<B>::seed(device, seed);
-        let unet =
-            match (&plan.model.source, stream) {
-                (ModelSource::Files(files), Some(stream)) => UNetCheckpoint::open(
-                    files.get("unet"),
-                )?
-                .load_with(device, dtype, &mut into_stream(stream))?,
-                (ModelSource::Files(files), None) => {
-                    UNetCheckpoint::open(files.get("unet"))?.load(device, dtype)?
-                }
-                (ModelSource::Tiny, _) => built_on_host(
-                    seed,
-                    dtype,
-                    |host| self.config.init::<Flex>(host),
-                    self.config.init(device),
-                ),
-                (ModelSource::Random(_), stream) => {
-                    random_model(self.config.init(device), dtype, seed, stream, "UNet")?
-                }
-            };
-        Ok(unet.no_grad())
+        load_denoiser(
+            plan,
+            device,
+            stream,
+            "UNet",
+            |host| self.config.init::<Flex>(host),
+            || self.config.init(device),
+            |files, dtype, place| {
+                let checkpoint = UNetCheckpoint::open(files.get("unet"))?;
+                Ok(match place {
+                    Some(place) => checkpoint.load_with(device, dtype, place)?,
+                    None => checkpoint.load(device, dtype)?,
+                })
+            },
+        )
     }
 
     /// DDPM: a timestep drawn for each sample (`train.timestep_type` mapped onto the 1000

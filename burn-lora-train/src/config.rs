@@ -989,8 +989,15 @@ impl TrainPlan {
 
         let network = check_network(&mut c, &yaml.network, &resolve);
         let model = check_model(&mut c, &yaml.model, &resolve);
-        let arch = model.as_ref().map_or(Arch::Flux1, |m| m.arch);
-        let train = check_train(&mut c, &yaml.train, arch);
+        // The architecture as written, also when another model field is wrong, so that the
+        // train section is checked against it.
+        let arch = model.as_ref().map(|m| m.arch).or_else(|| {
+            Arch::ALL
+                .iter()
+                .find(|(name, _)| *name == yaml.model.arch)
+                .map(|(_, arch)| *arch)
+        });
+        let train = check_train(&mut c, &yaml.train, arch.unwrap_or(Arch::Flux1));
         if yaml.datasets.is_empty() {
             c.fail("datasets", "expected at least one dataset folder");
         }

@@ -1160,6 +1160,8 @@ fn check_network(
         plan = plan
             .with_conv(adapter(n.conv, conv_alpha))
             .expect("validated above");
+    } else {
+        plan = plan.without_convs();
     }
     for p in &n.include {
         plan = plan.include(p).expect("validated above");
@@ -1666,6 +1668,8 @@ mod tests {
         assert!(plan.run_dir().ends_with("output/run"));
         let lora = plan.network.lora.config_for("blocks.0.attn.qkv", false);
         assert_eq!(lora, Some(LoraConfig::new(16).into()));
+        // Without `network.conv`, convolutions are not wrapped.
+        assert_eq!(plan.network.lora.config_for("blocks.0.conv1", true), None);
     }
 
     #[test]

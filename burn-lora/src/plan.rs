@@ -41,10 +41,21 @@ struct Override {
 #[derive(Clone, Debug)]
 pub struct LoraPlan {
     adapter: AdapterConfig,
-    conv: Option<AdapterConfig>,
+    conv: Convs,
     include: Vec<Regex>,
     exclude: Vec<Regex>,
     overrides: Vec<Override>,
+}
+
+/// What a plan attaches to convolutions.
+#[derive(Clone, Debug)]
+enum Convs {
+    /// The main adapter config.
+    Main,
+    /// A config of their own.
+    Own(AdapterConfig),
+    /// Nothing.
+    Skip,
 }
 
 fn compile(pattern: &str) -> Result<Regex, LoraError> {
@@ -61,7 +72,7 @@ impl LoraPlan {
         adapter.validate()?;
         Ok(Self {
             adapter,
-            conv: None,
+            conv: Convs::Main,
             include: Vec::new(),
             exclude: Vec::new(),
             overrides: Vec::new(),
@@ -72,8 +83,14 @@ impl LoraPlan {
     pub fn with_conv(mut self, adapter: impl Into<AdapterConfig>) -> Result<Self, LoraError> {
         let adapter = adapter.into();
         adapter.validate()?;
-        self.conv = Some(adapter);
+        self.conv = Convs::Own(adapter);
         Ok(self)
+    }
+
+    /// Leaves every convolution alone (kohya's LoRA without `conv_dim`).
+    pub fn without_convs(mut self) -> Self {
+        self.conv = Convs::Skip;
+        self
     }
 
     /// Adds an include pattern.
@@ -111,7 +128,8 @@ impl LoraPlan {
             return None;
         }
         let base = match (&self.conv, is_conv) {
-            (Some(conv), true) => conv,
+            (Convs::Own(conv), true) => conv,
+            (Convs::Skip, true) => return None,
             _ => &self.adapter,
         };
         Some(
@@ -218,6 +236,22 @@ impl fmt::Display for ApplyReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn convolutions_take_the_main_config_their_own_or_none() {
+        let main = LoraConfig::new(8);
+        let plan = LoraPlan::new(main.clone()).unwrap();
+        assert_eq!(
+            plan.config_for("down.0.conv1", true),
+            Some(main.clone().into())
+        );
+        let own = LoraConfig::new(4);
+        let plan = plan.with_conv(own.clone()).unwrap();
+        assert_eq!(plan.config_for("down.0.conv1", true), Some(own.into()));
+        let plan = plan.without_convs();
+        assert_eq!(plan.config_for("down.0.conv1", true), None);
+        assert_eq!(plan.config_for("down.0.proj", false), Some(main.into()));
+    }
     use crate::config::{LokrConfig, LoraConfig};
 
     fn rank(config: Option<AdapterConfig>) -> Option<(usize, Option<f64>, bool)> {

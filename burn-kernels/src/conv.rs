@@ -5,7 +5,7 @@ use burn::tensor::Shape;
 use burn::tensor::ops::ConvOptions;
 
 /// The sizes of one 2-D convolution as cuDNN takes them.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct ConvPlan {
     /// Input `[batch, channels, height, width]`.
     pub x: [i32; 4],

@@ -6,6 +6,7 @@
 //! cuDNN runs on a CUDA stream of its own, kept in CubeCL's order as the cuBLAS products are
 //! (`order.rs`).
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -38,6 +39,10 @@ const WORKSPACE_LIMIT: usize = 1 << 30;
 pub(crate) struct Dnn {
     stream: Arc<CudaStream>,
     handle: cudnnHandle_t,
+    /// The algorithm and workspace chosen for each pass, shape and dtype: cuDNN 9 answers a
+    /// `_v7` heuristics query by building an operation graph, which costs milliseconds, so
+    /// each convolution asks once.
+    chosen: HashMap<(Pass, ConvPlan, u32), (Algorithm, usize)>,
 }
 
 // SAFETY: the handle is only used under the mutex that owns the `Dnn`.
@@ -57,7 +62,11 @@ impl Dnn {
         // SAFETY: a live handle and a live stream of the same context.
         unsafe { dnn::set_stream(handle, stream.cu_stream() as _) }
             .map_err(KernelError::device("binding cuDNN to its stream"))?;
-        Ok(Self { stream, handle })
+        Ok(Self {
+            stream,
+            handle,
+            chosen: HashMap::new(),
+        })
     }
 }
 
@@ -169,7 +178,7 @@ macro_rules! first_algorithm {
 }
 
 /// Which of a convolution's three products a call computes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Pass {
     /// `y` from `x` and the filter.
     Forward,
@@ -253,137 +262,99 @@ fn convolve(
         Pass::Filter => weight.meta.shape().clone(),
     };
     let out = client.empty(out_shape.num_elements() * x.dtype.size());
-    let run =
-        || -> Result<(), KernelError> {
-            let dnn = dnn.lock().unwrap();
-            side.context()
-                .bind_to_thread()
-                .map_err(KernelError::device("binding the CUDA context"))?;
-            let d = Descriptors::new(&shape, dtype)?;
-            let h = dnn.handle;
-            let (algorithm, workspace_bytes) =
-                match pass {
-                    Pass::Forward => first_algorithm!(
-                        cudnnConvolutionFwdAlgoPerf_t,
-                        cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
-                        "cudnnGetConvolutionForwardAlgorithm_v7",
-                        |found, results| dnn::get_convolution_forward_algorithm(
-                            h,
-                            d.x,
-                            d.w,
-                            d.conv,
-                            d.y,
-                            COUNT as i32,
-                            &mut found,
-                            results
-                        )
-                    )
-                    .map(|(algo, bytes)| (Algorithm::Forward(algo), bytes))?,
-                    Pass::Input => first_algorithm!(
-                        cudnnConvolutionBwdDataAlgoPerf_t,
-                        cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
-                        "cudnnGetConvolutionBackwardDataAlgorithm_v7",
-                        |found, results| dnn::get_convolution_backward_data_algorithm(
-                            h,
-                            d.w,
-                            d.y,
-                            d.conv,
-                            d.x,
-                            COUNT as i32,
-                            &mut found,
-                            results
-                        )
-                    )
-                    .map(|(algo, bytes)| (Algorithm::Input(algo), bytes))?,
-                    Pass::Filter => {
-                        first_algorithm!(
-                cudnnConvolutionBwdFilterAlgoPerf_t,
-                cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
-                "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
-                |found, results| dnn::get_convolution_backward_filter_algorithm(
-                    h, d.x, d.y, d.conv, d.w, COUNT as i32, &mut found, results
-                )
-            )
-                        .map(|(algo, bytes)| (Algorithm::Filter(algo), bytes))?
-                    }
-                };
-            let workspace = client.empty(workspace_bytes.max(1));
-            let resolve = |handle| {
-                address(client, handle).ok_or(KernelError::Unsupported(
-                    "a buffer CubeCL cannot resolve".into(),
-                ))
-            };
-            let (px, pw, pout, pws) = (
-                resolve(&x.handle)?,
-                resolve(&weight.handle)?,
-                resolve(&out)?,
-                resolve(&workspace)?,
-            );
-            let pdy = dy.as_ref().map(|dy| resolve(&dy.handle)).transpose()?;
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            let (alpha, beta) = (
-                (&alpha as *const f32).cast::<c_void>(),
-                (&beta as *const f32).cast::<c_void>(),
-            );
-            let ws = pws as *mut c_void;
-            ordered(client, &side, &dnn.stream, kernel.order, || {
-                // SAFETY: the descriptors describe the contiguous buffers behind the addresses
-                // (`out` and the workspace were allocated for them, `dy` was checked to be the
-                // output's shape); the ordering keeps every other use of them out of the
-                // convolution's way.
-                unsafe {
-                    match (algorithm, pdy) {
-                        (Algorithm::Forward(algo), _) => dnn::convolution_forward(
-                            h,
-                            alpha,
-                            d.x,
-                            px as _,
-                            d.w,
-                            pw as _,
-                            d.conv,
-                            algo,
-                            ws,
-                            workspace_bytes,
-                            beta,
-                            d.y,
-                            pout as _,
-                        ),
-                        (Algorithm::Input(algo), Some(pdy)) => dnn::convolution_backward_data(
-                            h,
-                            alpha,
-                            d.w,
-                            pw as _,
-                            d.y,
-                            pdy as _,
-                            d.conv,
-                            algo,
-                            ws,
-                            workspace_bytes,
-                            beta,
-                            d.x,
-                            pout as _,
-                        ),
-                        (Algorithm::Filter(algo), Some(pdy)) => dnn::convolution_backward_filter(
-                            h,
-                            alpha,
-                            d.x,
-                            px as _,
-                            d.y,
-                            pdy as _,
-                            d.conv,
-                            algo,
-                            ws,
-                            workspace_bytes,
-                            beta,
-                            d.w,
-                            pout as _,
-                        ),
-                        (_, None) => unreachable!("the backward passes are given dy"),
-                    }
-                }
-                .map_err(KernelError::device("a cuDNN convolution"))
-            })
+    let run = || -> Result<(), KernelError> {
+        let mut dnn = dnn.lock().unwrap();
+        side.context()
+            .bind_to_thread()
+            .map_err(KernelError::device("binding the CUDA context"))?;
+        let d = Descriptors::new(&shape, dtype)?;
+        let h = dnn.handle;
+        let key = (pass, shape.clone(), dtype as u32);
+        let (algorithm, workspace_bytes) = match dnn.chosen.get(&key) {
+            Some(&chosen) => chosen,
+            None => {
+                let chosen = choose(pass, h, &d)?;
+                dnn.chosen.insert(key, chosen);
+                chosen
+            }
         };
+        let workspace = client.empty(workspace_bytes.max(1));
+        let resolve = |handle| {
+            address(client, handle).ok_or(KernelError::Unsupported(
+                "a buffer CubeCL cannot resolve".into(),
+            ))
+        };
+        let (px, pw, pout, pws) = (
+            resolve(&x.handle)?,
+            resolve(&weight.handle)?,
+            resolve(&out)?,
+            resolve(&workspace)?,
+        );
+        let pdy = dy.as_ref().map(|dy| resolve(&dy.handle)).transpose()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (
+            (&alpha as *const f32).cast::<c_void>(),
+            (&beta as *const f32).cast::<c_void>(),
+        );
+        let ws = pws as *mut c_void;
+        ordered(client, &side, &dnn.stream, kernel.order, || {
+            // SAFETY: the descriptors describe the contiguous buffers behind the addresses
+            // (`out` and the workspace were allocated for them, `dy` was checked to be the
+            // output's shape); the ordering keeps every other use of them out of the
+            // convolution's way.
+            unsafe {
+                match (algorithm, pdy) {
+                    (Algorithm::Forward(algo), _) => dnn::convolution_forward(
+                        h,
+                        alpha,
+                        d.x,
+                        px as _,
+                        d.w,
+                        pw as _,
+                        d.conv,
+                        algo,
+                        ws,
+                        workspace_bytes,
+                        beta,
+                        d.y,
+                        pout as _,
+                    ),
+                    (Algorithm::Input(algo), Some(pdy)) => dnn::convolution_backward_data(
+                        h,
+                        alpha,
+                        d.w,
+                        pw as _,
+                        d.y,
+                        pdy as _,
+                        d.conv,
+                        algo,
+                        ws,
+                        workspace_bytes,
+                        beta,
+                        d.x,
+                        pout as _,
+                    ),
+                    (Algorithm::Filter(algo), Some(pdy)) => dnn::convolution_backward_filter(
+                        h,
+                        alpha,
+                        d.x,
+                        px as _,
+                        d.y,
+                        pdy as _,
+                        d.conv,
+                        algo,
+                        ws,
+                        workspace_bytes,
+                        beta,
+                        d.w,
+                        pout as _,
+                    ),
+                    (_, None) => unreachable!("the backward passes are given dy"),
+                }
+            }
+            .map_err(KernelError::device("a cuDNN convolution"))
+        })
+    };
     if let Err(error) = run() {
         fell_back("cuDNN convolution", &error);
         return None;
@@ -395,6 +366,65 @@ fn convolve(
         out,
         x.dtype,
     ))
+}
+
+/// cuDNN's choice of algorithm for `pass` of the convolution `d` describes (its heuristics,
+/// no timing runs), with that algorithm's workspace.
+fn choose(
+    pass: Pass,
+    h: cudnnHandle_t,
+    d: &Descriptors,
+) -> Result<(Algorithm, usize), KernelError> {
+    Ok(match pass {
+        Pass::Forward => first_algorithm!(
+            cudnnConvolutionFwdAlgoPerf_t,
+            cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_COUNT,
+            "cudnnGetConvolutionForwardAlgorithm_v7",
+            |found, results| dnn::get_convolution_forward_algorithm(
+                h,
+                d.x,
+                d.w,
+                d.conv,
+                d.y,
+                COUNT as i32,
+                &mut found,
+                results
+            )
+        )
+        .map(|(algo, bytes)| (Algorithm::Forward(algo), bytes))?,
+        Pass::Input => first_algorithm!(
+            cudnnConvolutionBwdDataAlgoPerf_t,
+            cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT,
+            "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+            |found, results| dnn::get_convolution_backward_data_algorithm(
+                h,
+                d.w,
+                d.y,
+                d.conv,
+                d.x,
+                COUNT as i32,
+                &mut found,
+                results
+            )
+        )
+        .map(|(algo, bytes)| (Algorithm::Input(algo), bytes))?,
+        Pass::Filter => first_algorithm!(
+            cudnnConvolutionBwdFilterAlgoPerf_t,
+            cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT,
+            "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+            |found, results| dnn::get_convolution_backward_filter_algorithm(
+                h,
+                d.x,
+                d.y,
+                d.conv,
+                d.w,
+                COUNT as i32,
+                &mut found,
+                results
+            )
+        )
+        .map(|(algo, bytes)| (Algorithm::Filter(algo), bytes))?,
+    })
 }
 
 /// The algorithm cuDNN chose for a pass.

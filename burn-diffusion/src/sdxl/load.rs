@@ -28,13 +28,21 @@ pub struct UNetCheckpoint {
 impl UNetCheckpoint {
     /// Opens a diffusers folder: a pipeline folder with `unet/`, or the `unet` folder itself
     /// (`config.json` and `diffusion_pytorch_model.safetensors`, a shard index, or one other
-    /// `.safetensors` file such as the `.fp16` variant); or the original (SGM) single file of
-    /// SDXL base 1.0's shape (`sd_xl_base_1.0.safetensors` and fine-tunes of it: the UNet's
-    /// tensors under `model.diffusion_model.`, the file's other components ignored). Tensors
-    /// may be bf16, f16, f32 or FP8 with scales.
+    /// `.safetensors` file such as the `.fp16` variant); or a single file of SDXL base 1.0's
+    /// shape: the original (SGM) one (`sd_xl_base_1.0.safetensors` and fine-tunes of it: the
+    /// UNet's tensors under `model.diffusion_model.`, the file's other components ignored), or
+    /// a UNet's own file under diffusers' keys. Tensors may be bf16, f16, f32 or FP8 with
+    /// scales.
     pub fn open(path: &Path) -> Result<Self, LoadError> {
         if path.is_file() {
-            return Self::open_sgm(path, UNetConfig::sdxl());
+            let sgm = Checkpoint::open(path)?
+                .tensors()
+                .any(|t| t.name.starts_with(SGM_UNET_PREFIX));
+            return if sgm {
+                Self::open_sgm(path, UNetConfig::sdxl())
+            } else {
+                Self::with_names(path, UNetConfig::sdxl(), |key| Some(key.to_string()))
+            };
         }
         let folder = component_folder(path, "unet").ok_or_else(|| LoadError::Config {
             file: path.to_path_buf(),

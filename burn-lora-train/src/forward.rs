@@ -9,8 +9,7 @@ use burn::tensor::FloatDType;
 use burn_diffusion::LoadError;
 use burn_diffusion::flux::forward_file;
 use burn_diffusion::flux2::Flux2Checkpoint;
-use burn_diffusion::sdxl::{SGM_UNET_PREFIX, UNetCheckpoint};
-use burn_quant::Checkpoint;
+use burn_diffusion::sdxl::{UNetCheckpoint, holds_sgm_unet};
 
 /// Arguments of `burnlora forward`.
 #[derive(clap::Args)]
@@ -98,6 +97,5 @@ fn is_sdxl(model: &Path) -> bool {
         return model.join("unet/config.json").is_file()
             || (model.join("config.json").is_file() && UNetCheckpoint::open(model).is_ok());
     }
-    Checkpoint::open(model)
-        .is_ok_and(|file| file.tensors().any(|t| t.name.starts_with(SGM_UNET_PREFIX)))
+    holds_sgm_unet(model).unwrap_or(false)
 }

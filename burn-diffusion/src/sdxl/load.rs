@@ -35,10 +35,7 @@ impl UNetCheckpoint {
     /// scales.
     pub fn open(path: &Path) -> Result<Self, LoadError> {
         if path.is_file() {
-            let sgm = Checkpoint::open(path)?
-                .tensors()
-                .any(|t| t.name.starts_with(SGM_UNET_PREFIX));
-            return if sgm {
+            return if holds_sgm_unet(path)? {
                 Self::open_sgm(path, UNetConfig::sdxl())
             } else {
                 Self::with_names(path, UNetConfig::sdxl(), |key| Some(key.to_string()))
@@ -155,4 +152,12 @@ impl<B: Kernels> UNet2DCondition<B> {
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
         UNetCheckpoint::open(path)?.load(device, dtype)
     }
+}
+
+/// Whether the single file at `path` holds a UNet in the original (SGM) layout (tensors under
+/// `model.diffusion_model.`).
+pub fn holds_sgm_unet(path: &Path) -> Result<bool, LoadError> {
+    Ok(Checkpoint::open(path)?
+        .tensors()
+        .any(|t| t.name.starts_with(SGM_UNET_PREFIX)))
 }

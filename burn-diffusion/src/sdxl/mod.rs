@@ -38,7 +38,7 @@ mod run;
 
 pub use config::UNetConfig;
 pub use keys::{ModuleKind, SGM_UNET_PREFIX, UNetLayout, UNetModule, lora_names, unet_modules};
-pub use load::UNetCheckpoint;
+pub use load::{UNetCheckpoint, holds_sgm_unet};
 pub use model::{
     Attention, BasicTransformerBlock, CrossAttnDownBlock2D, CrossAttnUpBlock2D, Downsample2D,
     FeedForward, Geglu, ResnetBlock2D, TimestepEmbedding, Transformer2DModel, UNet2DCondition,

@@ -15,9 +15,7 @@
 
 use burn::module::Module;
 use burn::nn::conv::Conv2dConfig;
-use burn::nn::{
-    Dropout, DropoutConfig, GroupNorm, GroupNormConfig, LayerNorm, LayerNormConfig, PaddingConfig2d,
-};
+use burn::nn::{Dropout, DropoutConfig, GroupNorm, LayerNorm, LayerNormConfig, PaddingConfig2d};
 use burn::tensor::activation::{gelu, silu};
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
 use burn_kernels::Kernels;
@@ -27,7 +25,7 @@ use super::UNetConfig;
 use crate::blocks::{layer_norm, sdpa, timestep_embedding};
 use crate::checkpointing::{BlockRunner, Direct};
 use crate::flux::linear;
-use crate::vae::{conv, nearest_2x, norm_in_f32};
+use crate::vae::{conv, group_norm, nearest_2x, norm_in_f32};
 
 /// Epsilon of a transformer's input group norm (fixed in diffusers' `Transformer2DModel`).
 const TRANSFORMER_NORM_EPS: f64 = 1e-6;
@@ -773,17 +771,6 @@ impl<B: Kernels> Geglu<B> {
             .expect("two halves");
         value * gelu(gate)
     }
-}
-
-fn group_norm<B: Kernels>(
-    channels: usize,
-    groups: usize,
-    eps: f64,
-    device: &B::Device,
-) -> GroupNorm<B> {
-    GroupNormConfig::new(groups, channels)
-        .with_epsilon(eps)
-        .init(device)
 }
 
 #[cfg(test)]

@@ -317,7 +317,7 @@ impl<B: Kernels> Encoder<B> {
             conv_in: conv(config.in_channels, widths[0], 3, device),
             down_blocks,
             mid_block: UNetMidBlock2D::new(last, config, device),
-            conv_norm_out: group_norm(last, config, device),
+            conv_norm_out: group_norm(last, config.norm_num_groups, EPS, device),
             conv_out: conv(last, 2 * config.latent_channels, 3, device),
         }
     }
@@ -384,7 +384,7 @@ impl<B: Kernels> Decoder<B> {
             conv_in: conv(config.latent_channels, first, 3, device),
             mid_block: UNetMidBlock2D::new(first, config, device),
             up_blocks,
-            conv_norm_out: group_norm(finest, config, device),
+            conv_norm_out: group_norm(finest, config.norm_num_groups, EPS, device),
             conv_out: conv(finest, config.out_channels, 3, device),
         }
     }
@@ -496,9 +496,9 @@ pub struct ResnetBlock2D<B: Backend> {
 impl<B: Kernels> ResnetBlock2D<B> {
     fn new(input: usize, output: usize, config: &VaeConfig, device: &B::Device) -> Self {
         Self {
-            norm1: group_norm(input, config, device),
+            norm1: group_norm(input, config.norm_num_groups, EPS, device),
             conv1: conv(input, output, 3, device),
-            norm2: group_norm(output, config, device),
+            norm2: group_norm(output, config.norm_num_groups, EPS, device),
             conv2: conv(output, output, 3, device),
             conv_shortcut: (input != output).then(|| conv(input, output, 1, device)),
         }
@@ -606,7 +606,7 @@ impl<B: Kernels> SpatialAttention<B> {
     fn new(width: usize, config: &VaeConfig, device: &B::Device) -> Self {
         let linear = || LinearConfig::new(width, width).init(device);
         Self {
-            group_norm: group_norm(width, config, device),
+            group_norm: group_norm(width, config.norm_num_groups, EPS, device),
             to_q: linear(),
             to_k: linear(),
             to_v: linear(),
@@ -649,9 +649,15 @@ pub(crate) fn conv<B: Kernels>(
         .init(device)
 }
 
-fn group_norm<B: Kernels>(channels: usize, config: &VaeConfig, device: &B::Device) -> GroupNorm<B> {
-    GroupNormConfig::new(config.norm_num_groups, channels)
-        .with_epsilon(EPS)
+/// A group norm of `channels` in `groups` with epsilon `eps`.
+pub(crate) fn group_norm<B: Kernels>(
+    channels: usize,
+    groups: usize,
+    eps: f64,
+    device: &B::Device,
+) -> GroupNorm<B> {
+    GroupNormConfig::new(groups, channels)
+        .with_epsilon(eps)
         .init(device)
 }
 

@@ -248,13 +248,8 @@ fn convolve(
             return None;
         }
     };
-    let contiguous = |t: Option<&CubeTensor<CudaRuntime>>| t.map(|t| into_contiguous(t.clone()));
-    let (x, weight, dy) = (
-        contiguous(Some(x)),
-        contiguous(Some(weight)),
-        contiguous(dy),
-    );
-    let (x, weight) = (x.expect("given"), weight.expect("given"));
+    let (x, weight) = (into_contiguous(x.clone()), into_contiguous(weight.clone()));
+    let dy = dy.map(|dy| into_contiguous(dy.clone()));
     let client = &x.client;
     let out_shape = match pass {
         Pass::Forward => shape.output_shape(),

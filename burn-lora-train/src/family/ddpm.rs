@@ -124,17 +124,19 @@ pub(crate) struct DdpmPair<B: Backend> {
 
 impl<B: Backend> DdpmPair<B> {
     /// The pair for latents `x0` (`[n, c, h, w]`, f32) at `timesteps` (one per sample, below
-    /// [`NUM_TRAIN_TIMESTEPS`]), with noise drawn on the CPU from a generator seeded by
+    /// [`NUM_TRAIN_TIMESTEPS`]) of `schedule`, with noise drawn on the CPU from a generator seeded by
     /// `rng.next_u64()` ([`host_noise`]), so that it is the same on every backend.
     pub fn new(
         x0: Tensor<B, 4>,
         timesteps: &[u32],
+        schedule: &DdpmSchedule,
         settings: &DdpmSettings,
         rng: &mut Rng,
         device: &B::Device,
     ) -> Self {
         let noise = host_noise(x0.dims(), settings.noise_offset, rng);
-        Self::with_noise(x0, Tensor::from_data(noise, device), timesteps, settings)
+        let noise = Tensor::from_data(noise, device);
+        Self::with_noise(x0, noise, timesteps, schedule, settings)
     }
 
     /// The pair for latents `x0` and their `noise` (both `[n, c, h, w]`, f32) at `timesteps`:
@@ -143,9 +145,9 @@ impl<B: Backend> DdpmPair<B> {
         x0: Tensor<B, 4>,
         noise: Tensor<B, 4>,
         timesteps: &[u32],
+        schedule: &DdpmSchedule,
         settings: &DdpmSettings,
     ) -> Self {
-        let schedule = DdpmSchedule::sdxl();
         let n = timesteps.len();
         let device = x0.device();
         let per_sample =
@@ -335,6 +337,7 @@ mod tests {
                 fixture.tensor("x0"),
                 fixture.tensor("noise"),
                 &timesteps,
+                &DdpmSchedule::sdxl(),
                 &settings(prediction, gamma),
             )
         };
@@ -420,7 +423,15 @@ mod tests {
         };
         let pair = |seed| {
             let mut rng = Rng::seeded(seed);
-            let pair = DdpmPair::<B>::new(x0.clone(), &[10, 900], &settings, &mut rng, &device);
+            let schedule = DdpmSchedule::sdxl();
+            let pair = DdpmPair::<B>::new(
+                x0.clone(),
+                &[10, 900],
+                &schedule,
+                &settings,
+                &mut rng,
+                &device,
+            );
             (data(pair.x_t), data(pair.target))
         };
         let (x_t, target) = pair(4);

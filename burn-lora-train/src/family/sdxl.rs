@@ -28,7 +28,7 @@ use burn_lora::LayoutNames;
 use burn_offload::{Offload, StreamTarget, WeightStream};
 use burn_quant::Checkpoint;
 
-use super::ddpm::{DdpmPair, sample_timesteps};
+use super::ddpm::{DdpmPair, DdpmSchedule, sample_timesteps};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
     encode_vae_latents, f32_vae, load_denoiser, mse_gradients, source_name,
@@ -73,6 +73,7 @@ type TextEncoders<B> = (ClipTextModel<B>, ClipTextModel<B>);
 #[derive(Clone, Debug)]
 pub struct Sdxl {
     config: UNetConfig,
+    schedule: DdpmSchedule,
 }
 
 impl Sdxl {
@@ -83,7 +84,10 @@ impl Sdxl {
             ModelSource::Random(_) => UNetConfig::sdxl(),
             ModelSource::Files(files) => UNetCheckpoint::open(files.get("unet"))?.config().clone(),
         };
-        Ok(Self { config })
+        Ok(Self {
+            config,
+            schedule: DdpmSchedule::sdxl(),
+        })
     }
 
     /// CLIP-L and bigG in the model's dtype on `device`.
@@ -285,7 +289,14 @@ impl Family for Sdxl {
         let x0 = stack::<B, 3, 4>(batch, |s| &s.image[LATENT], device).cast(DType::F32);
         let [n, _, h, w] = x0.dims();
         let timesteps = sample_timesteps(plan.train.timestep, n, h * w / 4, rng);
-        let pair = DdpmPair::new(x0, &timesteps, &plan.train.ddpm, rng, device);
+        let pair = DdpmPair::new(
+            x0,
+            &timesteps,
+            &self.schedule,
+            &plan.train.ddpm,
+            rng,
+            device,
+        );
 
         let dtype = plan.model.dtype;
         let input = UNetInput {

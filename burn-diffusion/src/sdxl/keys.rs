@@ -276,10 +276,12 @@ impl Table {
 /// - kohya files carry SGM paths, `lora_unet_` + the path with `_` for `.`, as kohya's
 ///   sd-scripts writes them (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`,
 ///   `lora_unet_output_blocks_2_2_conv`, `lora_unet_input_blocks_1_0_in_layers_2`), which
-///   ComfyUI (`comfy/lora.py`, `model_lora_keys_unet`) and diffusers' SDXL loader (through
-///   `_maybe_map_sgm_blocks_to_diffusers` and `_convert_non_diffusers_lora_to_diffusers`)
-///   read. ai-toolkit writes its SDXL LoRAs in this layout.
-/// - ai-toolkit-style files (`diffusion_model.` + SGM path), as ComfyUI reads them.
+///   diffusers' SDXL loader reads whole (burn-lora-train's `tool_fixtures_sdxl.rs`, from
+///   fixtures its own code made). ComfyUI names SDXL's layers the same way
+///   (`comfy/lora.py`, `model_lora_keys_unet`); its own loader has not been run on these
+///   files. ai-toolkit writes its SDXL LoRAs in this layout.
+/// - ai-toolkit-style files (`diffusion_model.` + SGM path), ComfyUI's other layout (not run
+///   through ComfyUI's loader).
 /// - PEFT files carry diffusers paths under `unet.`, as `StableDiffusionXLPipeline.
 ///   load_lora_weights` expects, with alpha in the `lora_adapter_metadata` entry: diffusers'
 ///   SDXL loader reads `.alpha` tensors from kohya files only.

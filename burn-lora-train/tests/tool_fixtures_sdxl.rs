@@ -1,8 +1,9 @@
 //! The SDXL LoRA files `burnlora train` writes (LoRA on the Linears, LoCon on the
-//! convolutions), against what diffusers' own loader made of them (fixtures/tools/sdxl, made
-//! once by make_sdxl_fixtures.py): diffusers applies every one of the tiny UNet's 263 adapted
-//! layers of the kohya file (SGM names) and of the PEFT file (diffusers names), each by
-//! exactly the trained update.
+//! convolutions), against what diffusers' and ComfyUI's own loaders made of them
+//! (fixtures/tools/sdxl, made once by make_sdxl_fixtures.py): both apply every one of the tiny
+//! UNet's 263 adapted layers of the kohya file (SGM names), diffusers every one of the PEFT file
+//! (diffusers names), each by exactly the trained update. Of the PEFT file, ComfyUI reads only
+//! the layers outside the attention projections, at alpha = rank.
 
 // The FLUX-specific helpers of the shared module are not used here.
 #[allow(dead_code)]
@@ -83,6 +84,62 @@ fn every_adaptable_layer_of_the_unet_is_adapted_in_the_fixture() {
 #[test]
 fn the_writer_writes_the_files_the_tools_loaded() {
     tools::assert_writer_writes_the_fixtures(&tiny_names(), &trained(), "sdxl/", &FORMATS);
+}
+
+/// Every update of `updates` (under diffusers' weight keys) under the SGM key of its layer,
+/// as ComfyUI's UNet holds it.
+fn under_sgm_keys(updates: Tensors) -> Tensors {
+    let sgm: std::collections::BTreeMap<String, String> = unet_modules(&tiny_layout())
+        .into_iter()
+        .map(|m| {
+            (
+                format!("{}.weight", m.diffusers),
+                format!("{}.weight", m.sgm),
+            )
+        })
+        .collect();
+    updates
+        .into_iter()
+        .map(|(key, update)| (sgm[&key].clone(), update))
+        .collect()
+}
+
+/// ComfyUI patches every weight the kohya file names by exactly the trained update.
+#[test]
+fn comfyui_applies_every_update_of_the_kohya_file() {
+    let set = trained();
+    let (shapes, _) = read(&fixture("sdxl/diffusers_kohya.safetensors"));
+    let expected = under_sgm_keys(diffusers_updates(&set, &shapes));
+    let (found, _) = read(&fixture("sdxl/comfyui_kohya.safetensors"));
+    assert_updates("ComfyUI, kohya file", &found, &expected);
+}
+
+/// What ComfyUI makes of the PEFT file, which is diffusers' layout rather than its own: it
+/// skips the attention projections (it looks for them under diffusers' older
+/// `attn1.processor.to_q` paths) and, reading no `lora_adapter_metadata`, applies the others at
+/// alpha = rank. CONFIG.md sends ComfyUI users to the kohya format for this reason.
+#[test]
+fn comfyui_reads_the_peft_file_only_in_part() {
+    let set = trained();
+    let (shapes, _) = read(&fixture("sdxl/diffusers_peft.safetensors"));
+    let projection = |module: &str| {
+        [".to_q", ".to_k", ".to_v", ".to_out.0"]
+            .iter()
+            .any(|p| module.ends_with(p))
+    };
+    let expected: Tensors = diffusers_updates(&set, &shapes)
+        .into_iter()
+        .filter_map(|(key, (shape, delta))| {
+            let module = key.strip_suffix(".weight").unwrap();
+            let adapter = set.get(module).unwrap();
+            let unscaled = adapter.rank().unwrap() as f64 / adapter.alpha() as f64;
+            (!projection(module))
+                .then(|| (key, (shape, delta.iter().map(|v| v * unscaled).collect())))
+        })
+        .collect();
+    assert_eq!(expected.len(), 127);
+    let (found, _) = read(&fixture("sdxl/comfyui_peft.safetensors"));
+    assert_updates("ComfyUI, PEFT file", &found, &under_sgm_keys(expected));
 }
 
 /// diffusers patches every weight the kohya and PEFT files name by exactly the trained

@@ -91,6 +91,7 @@ print("  of which:")
 resnet = down[0].resnets[0]
 measure("  group norm 320, 128² (f32 statistics)", 34, lambda: resnet.norm1(x320).sum())
 measure("  convolution 3×3 320, 128²", 10, lambda: resnet.conv1(x320).sum())
+measure("  time-embedding product 1 × 1280 × 320", 17, lambda: resnet.time_emb_proj(temb).sum())
 heads = lambda t: t.view(1, 4096, 10, 64).transpose(1, 2)
 measure("  attention 4096 tokens, 10 heads of 64", 10,
         lambda: F.scaled_dot_product_attention(heads(t640), heads(t640), heads(t640)).sum())

@@ -122,6 +122,13 @@ fn main() {
     measure("  convolution 3×3 320, 128²", 10.0, &device, || {
         resnet.conv1.forward(x320.clone()).sum()
     });
+    let proj = &resnet.time_emb_proj;
+    measure(
+        "  time-embedding product 1 × 1280 × 320",
+        17.0,
+        &device,
+        || proj.forward(temb.clone()).sum(),
+    );
     let attention = block(1);
     let heads = |t: &Tensor<B, 3>| t.clone().reshape([1, 4096, 10, 64]).swap_dims(1, 2);
     measure(

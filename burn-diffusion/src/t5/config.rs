@@ -1,4 +1,5 @@
-//! T5 encoder hyperparameters: the T5-XXL v1.1 preset and transformers' `config.json`.
+//! T5 encoder hyperparameters: the T5-XXL v1.1 and umT5-XXL presets and transformers'
+//! `config.json`.
 
 use std::path::Path;
 
@@ -9,7 +10,8 @@ use crate::error::LoadError;
 use crate::weights::{KeyShapes, numbered, read_json};
 
 /// The shape of a T5 v1.1 encoder (gated-GELU feed-forward, relative position bias in the
-/// first layer). Field names follow transformers' `T5Config`.
+/// first layer) or of a umT5 encoder (the same, with a relative position bias in every layer).
+/// Field names follow transformers' `T5Config`.
 #[derive(Config, Debug, PartialEq)]
 pub struct T5Config {
     /// Token vocabulary.
@@ -33,6 +35,10 @@ pub struct T5Config {
     /// Epsilon of the RMS norms.
     #[config(default = 1e-6)]
     pub layer_norm_epsilon: f64,
+    /// Whether every layer holds a relative position bias of its own (umT5), rather than the
+    /// first one a bias all layers share (T5).
+    #[config(default = false)]
+    pub position_bias_per_layer: bool,
 }
 
 impl T5Config {
@@ -48,11 +54,21 @@ impl T5Config {
             relative_attention_num_buckets: 32,
             relative_attention_max_distance: 128,
             layer_norm_epsilon: 1e-6,
+            position_bias_per_layer: false,
         }
     }
 
-    /// Reads transformers' `text_encoder_2/config.json`; only the gated-GELU feed-forward
-    /// (`feed_forward_proj: "gated-gelu"`, T5 v1.1) is supported.
+    /// umT5-XXL's encoder, Wan 2.1 / 2.2's text encoder (5.68 B parameters).
+    pub fn umt5_xxl() -> Self {
+        Self {
+            vocab_size: 256384,
+            position_bias_per_layer: true,
+            ..Self::xxl()
+        }
+    }
+
+    /// Reads transformers' `config.json` of a T5 or umT5 (`model_type: "umt5"`) encoder; only
+    /// the gated-GELU feed-forward (`feed_forward_proj: "gated-gelu"`, T5 v1.1) is supported.
     pub fn from_json(file: &Path) -> Result<Self, LoadError> {
         let raw: TransformersT5Config = read_json(file)?;
         if raw.feed_forward_proj != "gated-gelu" {
@@ -74,13 +90,15 @@ impl T5Config {
             relative_attention_num_buckets: raw.relative_attention_num_buckets,
             relative_attention_max_distance: raw.relative_attention_max_distance,
             layer_norm_epsilon: raw.layer_norm_epsilon,
+            position_bias_per_layer: raw.model_type == "umt5",
         })
     }
 
-    /// Infers the configuration of a single file (ComfyUI's `t5xxl_*.safetensors`) from the
-    /// shapes of its tensors, named in transformers' layout: widths from the embedding and the
-    /// first layer, heads and buckets from the relative position bias, layers from the block
-    /// indices. The maximum distance (128) and epsilon (1e-6) are T5 v1.1's.
+    /// Infers the configuration of a single file (ComfyUI's `t5xxl_*.safetensors`,
+    /// `umt5_xxl_*.safetensors`) from the shapes of its tensors, named in transformers' layout:
+    /// widths from the embedding and the first layer, heads and buckets from the relative
+    /// position bias, layers from the block indices, umT5 from a bias in the second layer. The
+    /// maximum distance (128) and epsilon (1e-6) are T5 v1.1's and umT5's.
     pub fn from_keys<'a>(
         file: &Path,
         names: impl Iterator<Item = &'a str>,
@@ -91,7 +109,10 @@ impl T5Config {
             model: "T5",
             shape_of,
         };
-        let num_layers = numbered(names, "encoder.block.");
+        let names: Vec<&str> = names.collect();
+        let num_layers = numbered(names.iter().copied(), "encoder.block.");
+        let position_bias_per_layer =
+            names.contains(&"encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight");
         let [vocab_size, d_model] = shapes.matrix("encoder.embed_tokens.weight")?;
         let first = "encoder.block.0.layer";
         let [buckets, num_heads] = shapes.matrix(&format!(
@@ -114,6 +135,7 @@ impl T5Config {
             relative_attention_num_buckets: buckets,
             relative_attention_max_distance: 128,
             layer_norm_epsilon: 1e-6,
+            position_bias_per_layer,
         })
     }
 }
@@ -136,6 +158,8 @@ struct TransformersT5Config {
     layer_norm_epsilon: f64,
     #[serde(default = "relu")]
     feed_forward_proj: String,
+    #[serde(default)]
+    model_type: String,
 }
 
 fn buckets() -> usize {

@@ -17,7 +17,8 @@ use crate::blocks::{ScoreBias, attention, gelu_tanh, rms_norm};
 use crate::error::LoadError;
 use crate::weights::{NamedTensors, PlaceWeight, component_folder};
 
-/// The encoder of a T5 v1.1 model (`T5EncoderModel`; FLUX.1's `text_encoder_2`).
+/// The encoder of a T5 v1.1 model (`T5EncoderModel`; FLUX.1's `text_encoder_2`) or of a umT5
+/// model (`UMT5EncoderModel`; Wan's text encoder).
 ///
 /// Field names are transformers' keys without the `encoder.` prefix, except where the
 /// reference nests layers in a list (`layer.0` is [`T5Block::self_attention`], `layer.1`
@@ -40,7 +41,7 @@ impl T5Config {
         T5Encoder {
             embed_tokens: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
             block: (0..self.num_layers)
-                .map(|i| T5Block::new(self, i == 0, device))
+                .map(|i| T5Block::new(self, i == 0 || self.position_bias_per_layer, device))
                 .collect(),
             final_layer_norm: T5LayerNorm::new(self.d_model, device),
             config: self.clone(),
@@ -115,15 +116,56 @@ impl<B: Kernels> T5Encoder<B> {
     /// - `input_ids`: `[batch, tokens]`
     /// - output: `[batch, tokens, d_model]`
     pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.encode(input_ids, None)
+    }
+
+    /// The last hidden state of rows of token ids where no token attends to the positions
+    /// `attention_mask` holds 0 at (transformers' `attention_mask`, as Wan's pipeline passes
+    /// it).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`: `[batch, tokens]`
+    /// - output: `[batch, tokens, d_model]`
+    pub fn forward_masked(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 3> {
+        self.encode(input_ids, Some(attention_mask))
+    }
+
+    fn encode(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
         let [batch, tokens] = input_ids.dims();
         let device = input_ids.device();
+        let shape = [batch, self.config.num_heads, tokens, tokens];
+        // transformers adds the dtype's lowest value to the scores of masked keys.
+        let masked = attention_mask.map(|mask| {
+            (mask.equal_elem(0).float() * f32::MIN)
+                .reshape([batch, 1, 1, tokens])
+                .expand(shape)
+        });
+        let bias_of = |attention: &T5SelfAttention<B>| {
+            let bias = attention
+                .position_bias(tokens, &self.config, &device)
+                .expand(shape);
+            match &masked {
+                Some(masked) => bias + masked.clone(),
+                None => bias,
+            }
+        };
         let mut x = self.embed_tokens.forward(input_ids);
-        let bias = self.block[0]
-            .self_attention
-            .position_bias(tokens, &self.config, &device)
-            .expand([batch, self.config.num_heads, tokens, tokens]);
+        let shared =
+            (!self.config.position_bias_per_layer).then(|| bias_of(&self.block[0].self_attention));
         for block in &self.block {
-            x = block.forward(x, bias.clone(), &self.config);
+            let bias = match &shared {
+                Some(bias) => bias.clone(),
+                None => bias_of(&block.self_attention),
+            };
+            x = block.forward(x, bias, &self.config);
         }
         self.final_layer_norm
             .forward(x, self.config.layer_norm_epsilon)
@@ -221,7 +263,8 @@ pub struct T5SelfAttention<B: Backend> {
     pub v: Linear<B>,
     /// Output projection.
     pub o: Linear<B>,
-    /// One learned bias per head and relative-position bucket (first layer only).
+    /// One learned bias per head and relative-position bucket (T5: the first layer only; umT5:
+    /// every layer).
     pub relative_attention_bias: Option<Embedding<B>>,
 }
 
@@ -259,7 +302,7 @@ impl<B: Kernels> T5SelfAttention<B> {
     /// - output: `[1, heads, tokens, tokens]`
     ///
     /// # Panics
-    /// If this layer has no relative position bias (only the first one has).
+    /// If this layer has no relative position bias (in T5, only the first one has).
     pub fn position_bias(
         &self,
         tokens: usize,
@@ -269,7 +312,7 @@ impl<B: Kernels> T5SelfAttention<B> {
         let embedding = self
             .relative_attention_bias
             .as_ref()
-            .expect("the first T5 layer holds the relative position bias");
+            .expect("a T5 layer with a relative position bias");
         let buckets: Vec<i64> = (0..tokens as i64)
             .flat_map(|query| {
                 (0..tokens as i64).map(move |key| {

@@ -133,6 +133,7 @@ impl Flux1 {
                     relative_attention_num_buckets: 8,
                     relative_attention_max_distance: 16,
                     layer_norm_epsilon: 1e-6,
+                    position_bias_per_layer: false,
                 };
                 let t5 = built_on_host(seed ^ 3, dtype, |h| t5.init::<Flex>(h), t5.init(device));
                 (clip, t5)

@@ -3,9 +3,10 @@
 //! in plain `nn::Linear` layers (so that LoRA adapters and weight offloading apply without model
 //! changes), loading from BFL single files and diffusers folders (bf16, f32, or FP8 with
 //! scales), one tensor at a time, and block-level gradient checkpointing for training. SDXL's
-//! UNet ([`sdxl`]) loads from diffusers folders the same way. The text encoders are FLUX.1's
-//! CLIP and T5 ([`clip`], [`t5`]) and FLUX.2's decoders, Mistral Small 3 and Qwen3
-//! ([`text_decoder`]), with their prompt tokenizers ([`tokenize`]).
+//! UNet ([`sdxl`]) loads from diffusers folders the same way, and so does Wan's video
+//! transformer ([`wan`]). The text encoders are FLUX.1's CLIP and T5 ([`clip`], [`t5`]), Wan's
+//! umT5 ([`t5`]) and FLUX.2's decoders, Mistral Small 3 and Qwen3 ([`text_decoder`]), with their
+//! prompt tokenizers ([`tokenize`]).
 //!
 //! # Example
 //! A tiny FLUX-shaped model with random weights; a real one comes from
@@ -47,6 +48,7 @@ pub mod t5;
 pub mod text_decoder;
 pub mod tokenize;
 pub mod vae;
+pub mod wan;
 mod weights;
 
 pub use checkpointing::{Activations, BlockRunner, BlockTape, Checkpointing, Direct};

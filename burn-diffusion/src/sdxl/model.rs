@@ -272,7 +272,7 @@ pub struct TimestepEmbedding<B: Backend> {
 }
 
 impl<B: Kernels> TimestepEmbedding<B> {
-    fn new(d_input: usize, width: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(d_input: usize, width: usize, device: &B::Device) -> Self {
         Self {
             linear_1: linear(d_input, width, true, device),
             linear_2: linear(width, width, true, device),

@@ -1,0 +1,143 @@
+//! Wan transformer hyperparameters: the Wan 2.1 presets and diffusers' `config.json`.
+
+use std::path::Path;
+
+use burn::config::Config;
+use serde::Deserialize;
+
+use crate::error::LoadError;
+use crate::weights::read_json;
+
+/// The shape of a Wan text-to-video transformer. Field names follow diffusers'
+/// `WanTransformer3DModel`; image conditioning (`image_dim`) is not supported.
+#[derive(Config, Debug, PartialEq)]
+pub struct WanConfig {
+    /// Patch size over (frames, height, width).
+    pub patch_size: [usize; 3],
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Width of one head.
+    pub attention_head_dim: usize,
+    /// Latent channels in.
+    pub in_channels: usize,
+    /// Latent channels out.
+    pub out_channels: usize,
+    /// Width of the text encoder's states.
+    pub text_dim: usize,
+    /// Width of the sinusoidal timestep features.
+    pub freq_dim: usize,
+    /// Hidden width of the feed-forward layers.
+    pub ffn_dim: usize,
+    /// Transformer blocks.
+    pub num_layers: usize,
+    /// Whether the cross-attention's input is layer-normed (with a learned affine).
+    pub cross_attn_norm: bool,
+    /// Epsilon of the layer and RMS norms.
+    pub eps: f64,
+    /// Positions the rotary tables cover per axis.
+    pub rope_max_seq_len: usize,
+}
+
+impl WanConfig {
+    /// Wan 2.1 text-to-video 14B (also each expert of Wan 2.2 A14B).
+    pub fn wan21_14b() -> Self {
+        Self {
+            patch_size: [1, 2, 2],
+            num_attention_heads: 40,
+            attention_head_dim: 128,
+            in_channels: 16,
+            out_channels: 16,
+            text_dim: 4096,
+            freq_dim: 256,
+            ffn_dim: 13824,
+            num_layers: 40,
+            cross_attn_norm: true,
+            eps: 1e-6,
+            rope_max_seq_len: 1024,
+        }
+    }
+
+    /// Wan 2.1 text-to-video 1.3B.
+    pub fn wan21_1_3b() -> Self {
+        Self {
+            num_attention_heads: 12,
+            ffn_dim: 8960,
+            num_layers: 30,
+            ..Self::wan21_14b()
+        }
+    }
+
+    /// Width of the residual stream.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    /// Widths of a head's rotary lanes for frames, rows and columns (44, 42, 42 for heads of
+    /// 128).
+    pub fn rope_axes(&self) -> [usize; 3] {
+        let spatial = 2 * (self.attention_head_dim / 6);
+        [self.attention_head_dim - 2 * spatial, spatial, spatial]
+    }
+
+    /// Reads diffusers' `transformer/config.json`; refuses image conditioning and the
+    /// query-key norms other than `rms_norm_across_heads`.
+    pub fn from_json(file: &Path) -> Result<Self, LoadError> {
+        let raw: DiffusersWanConfig = read_json(file)?;
+        let refuse = |message: String| LoadError::Config {
+            file: file.to_path_buf(),
+            message,
+        };
+        if raw.image_dim.is_some() || raw.added_kv_proj_dim.is_some() {
+            return Err(refuse(
+                "image conditioning (image_dim) is not supported".into(),
+            ));
+        }
+        if raw.qk_norm.as_deref() != Some("rms_norm_across_heads") {
+            return Err(refuse(format!(
+                "qk_norm {:?} is not supported (rms_norm_across_heads)",
+                raw.qk_norm
+            )));
+        }
+        let patch_size = <[usize; 3]>::try_from(raw.patch_size.as_slice())
+            .map_err(|_| refuse(format!("patch_size {:?} is not 3 sizes", raw.patch_size)))?;
+        Ok(Self {
+            patch_size,
+            num_attention_heads: raw.num_attention_heads,
+            attention_head_dim: raw.attention_head_dim,
+            in_channels: raw.in_channels,
+            out_channels: raw.out_channels.unwrap_or(raw.in_channels),
+            text_dim: raw.text_dim,
+            freq_dim: raw.freq_dim,
+            ffn_dim: raw.ffn_dim,
+            num_layers: raw.num_layers,
+            cross_attn_norm: raw.cross_attn_norm,
+            eps: raw.eps,
+            rope_max_seq_len: raw.rope_max_seq_len,
+        })
+    }
+}
+
+/// The fields of diffusers' `WanTransformer3DModel` config the model uses.
+#[derive(Deserialize)]
+struct DiffusersWanConfig {
+    patch_size: Vec<usize>,
+    num_attention_heads: usize,
+    attention_head_dim: usize,
+    in_channels: usize,
+    out_channels: Option<usize>,
+    text_dim: usize,
+    freq_dim: usize,
+    ffn_dim: usize,
+    num_layers: usize,
+    cross_attn_norm: bool,
+    qk_norm: Option<String>,
+    eps: f64,
+    image_dim: Option<usize>,
+    added_kv_proj_dim: Option<usize>,
+    #[serde(default = "rope_max_seq_len")]
+    rope_max_seq_len: usize,
+}
+
+fn rope_max_seq_len() -> usize {
+    1024
+}

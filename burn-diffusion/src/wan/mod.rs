@@ -1,0 +1,11 @@
+//! Wan 2.1 / 2.2's video transformer (diffusers' `WanTransformer3DModel`): configuration,
+//! model and loading.
+
+mod config;
+mod model;
+
+pub use config::WanConfig;
+pub use model::{
+    WanAttention, WanBlock, WanConditionEmbedder, WanFeedForward, WanInput, WanPatchEmbedding,
+    WanTransformer3D,
+};

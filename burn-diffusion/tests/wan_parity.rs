@@ -1,0 +1,56 @@
+//! The Wan transformer against diffusers' `WanTransformer3DModel`: a fixture made by
+//! `tests/fixtures/make_wan_fixtures.py` from a tiny random model of Wan 2.1's structure.
+
+use std::path::Path;
+
+use burn::backend::Flex;
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_diffusion::wan::{WanConfig, WanInput, WanTransformer3D};
+
+type B = Flex;
+
+mod common;
+
+use common::{F32_TOLERANCE, assert_within, read};
+
+fn tensor<const D: usize>(file: &Path, key: &str) -> Tensor<B, D> {
+    let (values, shape) = read(file, key);
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+}
+
+#[test]
+fn the_transformer_matches_diffusers() {
+    let folder = common::fixture("wan");
+    let model = WanTransformer3D::<B>::load(&folder, &Default::default(), FloatDType::F32).unwrap();
+    assert_eq!(
+        model.config(),
+        &WanConfig {
+            num_attention_heads: 2,
+            attention_head_dim: 12,
+            in_channels: 4,
+            out_channels: 4,
+            text_dim: 8,
+            freq_dim: 16,
+            ffn_dim: 32,
+            num_layers: 2,
+            rope_max_seq_len: 32,
+            ..WanConfig::wan21_14b()
+        }
+    );
+    assert_eq!(model.config().rope_axes(), [4, 4, 4]);
+    let io = folder.join("io.safetensors");
+    let output = model.forward(WanInput {
+        hidden_states: tensor(&io, "hidden_states"),
+        timestep: tensor(&io, "timestep"),
+        encoder_hidden_states: tensor(&io, "encoder_hidden_states"),
+    });
+    assert_eq!(output.dims(), [2, 4, 3, 4, 6]);
+    assert_within(output.into_data(), &io, "output", F32_TOLERANCE);
+}
+
+#[test]
+fn the_presets_split_heads_of_128_as_wan_does() {
+    assert_eq!(WanConfig::wan21_14b().rope_axes(), [44, 42, 42]);
+    assert_eq!(WanConfig::wan21_14b().inner_dim(), 5120);
+    assert_eq!(WanConfig::wan21_1_3b().inner_dim(), 1536);
+}

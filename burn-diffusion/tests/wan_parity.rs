@@ -1,5 +1,6 @@
 //! The Wan transformer against diffusers' `WanTransformer3DModel`: a fixture made by
-//! `tests/fixtures/make_wan_fixtures.py` from a tiny random model of Wan 2.1's structure.
+//! `tests/fixtures/make_wan_fixtures.py` from a tiny random model of Wan 2.1's structure, as a
+//! diffusers folder and as a single file under Wan's original names.
 
 use std::path::Path;
 
@@ -18,27 +19,24 @@ fn tensor<const D: usize>(file: &Path, key: &str) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values, shape), &Default::default())
 }
 
-#[test]
-fn the_transformer_matches_diffusers() {
-    let folder = common::fixture("wan");
-    let model = WanTransformer3D::<B>::load(&folder, &Default::default(), FloatDType::F32).unwrap();
-    assert_eq!(
-        model.config(),
-        &WanConfig {
-            num_attention_heads: 2,
-            attention_head_dim: 12,
-            in_channels: 4,
-            out_channels: 4,
-            text_dim: 8,
-            freq_dim: 16,
-            ffn_dim: 32,
-            num_layers: 2,
-            rope_max_seq_len: 32,
-            ..WanConfig::wan21_14b()
-        }
-    );
-    assert_eq!(model.config().rope_axes(), [4, 4, 4]);
-    let io = folder.join("io.safetensors");
+/// The tiny model's configuration.
+fn tiny() -> WanConfig {
+    WanConfig {
+        num_attention_heads: 2,
+        attention_head_dim: 12,
+        in_channels: 4,
+        out_channels: 4,
+        text_dim: 8,
+        freq_dim: 16,
+        ffn_dim: 32,
+        num_layers: 2,
+        rope_max_seq_len: 32,
+        ..WanConfig::wan21_14b()
+    }
+}
+
+fn assert_matches_diffusers(model: &WanTransformer3D<B>) {
+    let io = common::fixture("wan/io.safetensors");
     let output = model.forward(WanInput {
         hidden_states: tensor(&io, "hidden_states"),
         timestep: tensor(&io, "timestep"),
@@ -46,6 +44,45 @@ fn the_transformer_matches_diffusers() {
     });
     assert_eq!(output.dims(), [2, 4, 3, 4, 6]);
     assert_within(output.into_data(), &io, "output", F32_TOLERANCE);
+}
+
+#[test]
+fn the_transformer_matches_diffusers() {
+    let folder = common::fixture("wan");
+    let model = WanTransformer3D::<B>::load(&folder, &Default::default(), FloatDType::F32).unwrap();
+    assert_eq!(model.config(), &tiny());
+    assert_eq!(model.config().rope_axes(), [4, 4, 4]);
+    assert_matches_diffusers(&model);
+}
+
+/// The original names (which diffusers' own converter turns into the folder's) load to the
+/// same model.
+#[test]
+fn a_single_file_under_the_original_names_loads_the_same_model() {
+    let file = common::fixture("wan/original.safetensors");
+    let model = WanTransformer3D::<B>::load_original(
+        &file,
+        Some(tiny()),
+        &Default::default(),
+        FloatDType::F32,
+    )
+    .unwrap();
+    assert_matches_diffusers(&model);
+}
+
+/// Without a configuration, the file's shapes give every size but the heads, which are Wan's
+/// 128 wide: the tiny model's width of 24 is refused by name.
+#[test]
+fn a_single_file_of_another_head_width_is_refused() {
+    let file = common::fixture("wan/original.safetensors");
+    let error = WanTransformer3D::<B>::load(&file, &Default::default(), FloatDType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("width 24 is not a multiple of Wan's heads of 128"),
+        "{error}"
+    );
+    assert!(error.contains("original.safetensors"), "{error}");
 }
 
 #[test]

@@ -6,7 +6,10 @@ use burn::config::Config;
 use serde::Deserialize;
 
 use crate::error::LoadError;
-use crate::weights::read_json;
+use crate::weights::{KeyShapes, numbered, read_json};
+
+/// Width of a head in every Wan transformer, which a single file's shapes do not record.
+const WAN_HEAD_DIM: usize = 128;
 
 /// The shape of a Wan text-to-video transformer. Field names follow diffusers'
 /// `WanTransformer3DModel`; image conditioning (`image_dim`) is not supported.
@@ -113,6 +116,51 @@ impl WanConfig {
             cross_attn_norm: raw.cross_attn_norm,
             eps: raw.eps,
             rope_max_seq_len: raw.rope_max_seq_len,
+        })
+    }
+}
+
+impl WanConfig {
+    /// Infers the configuration of a single file (diffusers' names, as [`super::keys`] gives
+    /// them) from the shapes of its tensors: widths from the patch embedding, the embeddings
+    /// and the first block, layers from the block indices, the cross-attention norm from its
+    /// presence; heads of 128 (every Wan model's), epsilon 1e-6 and 1024 rotary positions.
+    pub fn from_keys<'a>(
+        file: &Path,
+        names: impl Iterator<Item = &'a str>,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<Self, LoadError> {
+        let shapes = KeyShapes {
+            file,
+            model: "Wan",
+            shape_of,
+        };
+        let names: Vec<&str> = names.collect();
+        let patch = shapes.shape("patch_embedding.weight", 5)?;
+        let (width, in_channels) = (patch[0], patch[1]);
+        let patch_size = [patch[2], patch[3], patch[4]];
+        if !width.is_multiple_of(WAN_HEAD_DIM) {
+            return Err(shapes.error(format!(
+                "width {width} is not a multiple of Wan's heads of {WAN_HEAD_DIM}"
+            )));
+        }
+        let [_, text_dim] = shapes.matrix("condition_embedder.text_embedder.linear_1.weight")?;
+        let [_, freq_dim] = shapes.matrix("condition_embedder.time_embedder.linear_1.weight")?;
+        let [ffn_dim, _] = shapes.matrix("blocks.0.ffn.net.0.proj.weight")?;
+        let [out, _] = shapes.matrix("proj_out.weight")?;
+        Ok(Self {
+            patch_size,
+            num_attention_heads: width / WAN_HEAD_DIM,
+            attention_head_dim: WAN_HEAD_DIM,
+            in_channels,
+            out_channels: out / patch_size.iter().product::<usize>(),
+            text_dim,
+            freq_dim,
+            ffn_dim,
+            num_layers: numbered(names.iter().copied(), "blocks."),
+            cross_attn_norm: names.contains(&"blocks.0.norm2.weight"),
+            eps: 1e-6,
+            rope_max_seq_len: 1024,
         })
     }
 }

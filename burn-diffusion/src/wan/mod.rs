@@ -2,9 +2,11 @@
 //! model and loading.
 
 mod config;
+mod keys;
 mod model;
 
 pub use config::WanConfig;
+pub use keys::diffusers_name;
 pub use model::{
     WanAttention, WanBlock, WanConditionEmbedder, WanFeedForward, WanInput, WanPatchEmbedding,
     WanTransformer3D,

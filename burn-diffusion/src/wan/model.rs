@@ -19,7 +19,7 @@ use burn_kernels::Kernels;
 use burn_lora::LoraLinear;
 use burn_quant::Checkpoint;
 
-use super::WanConfig;
+use super::{WanConfig, diffusers_name};
 use crate::blocks::{Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedding};
 use crate::error::LoadError;
 use crate::flux::linear;
@@ -119,9 +119,14 @@ impl WanConfig {
 
 impl<B: Kernels> WanTransformer3D<B> {
     /// Loads diffusers' layout: a pipeline folder with `transformer/`, the `transformer` folder
-    /// itself (`config.json` and `diffusion_pytorch_model.safetensors` or a shard index), into
-    /// `device` in `dtype`.
+    /// itself (`config.json` and `diffusion_pytorch_model.safetensors` or a shard index); or a
+    /// single file in Wan's original layout (Wan-Video's `diffusion_pytorch_model*.safetensors`,
+    /// ComfyUI's repackaged files) or under diffusers' names, whose configuration is inferred
+    /// ([`WanConfig::from_keys`]). The weights go to `device` in `dtype`.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
+        if path.is_file() {
+            return Self::load_original(path, None, device, dtype);
+        }
         let folder = component_folder(path, "transformer").ok_or_else(|| LoadError::Config {
             file: path.to_path_buf(),
             message: "no transformer/config.json here: expected a diffusers Wan folder or \
@@ -137,6 +142,31 @@ impl<B: Kernels> WanTransformer3D<B> {
         let tensors = NamedTensors::new(Checkpoint::open(&weights)?, &weights, |key| {
             Some(key.to_string())
         })?;
+        tensors.load(
+            config.init::<B>(device),
+            str::to_string,
+            device,
+            dtype,
+            None,
+        )
+    }
+
+    /// Loads a single file in Wan's original layout or under diffusers' names (see
+    /// [`diffusers_name`]) as a model of shape `config`, or of the shape its tensors give when
+    /// `None`.
+    pub fn load_original(
+        file: &Path,
+        config: Option<WanConfig>,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<Self, LoadError> {
+        let tensors = NamedTensors::new(Checkpoint::open(file)?, file, |key| {
+            Some(diffusers_name(key))
+        })?;
+        let config = match config {
+            Some(config) => config,
+            None => WanConfig::from_keys(file, tensors.names(), |name| tensors.shape(name))?,
+        };
         tensors.load(
             config.init::<B>(device),
             str::to_string,

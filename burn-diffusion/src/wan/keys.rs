@@ -1,6 +1,12 @@
 //! Wan's original tensor names (Wan-Video's checkpoints, ComfyUI's repackaged files, with or
 //! without `model.diffusion_model.`) and the diffusers names the model's fields follow.
 
+use std::path::Path;
+
+use burn_quant::Checkpoint;
+
+use crate::weights::component_folder;
+
 /// The prefix ComfyUI's all-in-one files put before the transformer's names.
 const COMFY_PREFIX: &str = "model.diffusion_model.";
 
@@ -80,4 +86,20 @@ fn block_name(inner: &str) -> String {
         }
     }
     inner.to_string()
+}
+
+/// Whether `path` holds a Wan transformer: a diffusers folder (or its `transformer` folder)
+/// whose `config.json` names `WanTransformer3DModel`, or a single file holding Wan's timestep
+/// projection under either layout's name.
+pub fn holds_wan(path: &Path) -> bool {
+    if path.is_dir() {
+        return component_folder(path, "transformer")
+            .and_then(|folder| std::fs::read_to_string(folder.join("config.json")).ok())
+            .is_some_and(|config| config.contains("\"WanTransformer3DModel\""));
+    }
+    Checkpoint::open(path).is_ok_and(|files| {
+        files
+            .tensors()
+            .any(|t| diffusers_name(t.name) == "condition_embedder.time_proj.weight")
+    })
 }

@@ -4,10 +4,12 @@
 mod config;
 mod keys;
 mod model;
+mod run;
 
 pub use config::WanConfig;
-pub use keys::diffusers_name;
+pub use keys::{diffusers_name, holds_wan};
 pub use model::{
     WanAttention, WanBlock, WanConditionEmbedder, WanFeedForward, WanInput, WanPatchEmbedding,
     WanTransformer3D,
 };
+pub use run::forward_file;

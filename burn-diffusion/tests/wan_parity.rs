@@ -91,3 +91,42 @@ fn the_presets_split_heads_of_128_as_wan_does() {
     assert_eq!(WanConfig::wan21_14b().inner_dim(), 5120);
     assert_eq!(WanConfig::wan21_1_3b().inner_dim(), 1536);
 }
+
+/// A latent whose sides the patches do not tile is refused by name, before any pass.
+#[test]
+fn a_latent_the_patches_do_not_tile_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let zeros = |shape: &[usize]| vec![0u8; 4 * shape.iter().product::<usize>()];
+    let tensors = [
+        ("hidden_states", vec![1, 4, 3, 5, 6]),
+        ("timestep", vec![1]),
+        ("encoder_hidden_states", vec![1, 5, 8]),
+    ];
+    let data: Vec<Vec<u8>> = tensors.iter().map(|(_, shape)| zeros(shape)).collect();
+    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, shape), bytes)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap();
+            (*name, view)
+        })
+        .collect();
+    let inputs = dir.path().join("inputs.safetensors");
+    safetensors::serialize_to_file(views, None, &inputs).unwrap();
+    let error = burn_diffusion::wan::forward_file::<B>(
+        &common::fixture("wan"),
+        &inputs,
+        &dir.path().join("out.safetensors"),
+        FloatDType::F32,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("multiples of the patch size [1, 2, 2]"),
+        "{error}"
+    );
+    assert!(error.contains("inputs.safetensors"), "{error}");
+}

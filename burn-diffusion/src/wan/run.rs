@@ -34,6 +34,20 @@ pub fn forward_file<B: Kernels>(
         "hidden_states",
         &[None, Some(config.in_channels), None, None, None],
     )?;
+    if shape[2..]
+        .iter()
+        .zip(config.patch_size)
+        .any(|(side, patch)| side % patch != 0)
+    {
+        return Err(LoadError::Config {
+            file: inputs.to_path_buf(),
+            message: format!(
+                "hidden_states {shape:?}: frames, height and width must be multiples of the \
+                 patch size {:?}",
+                config.patch_size
+            ),
+        });
+    }
     let batch = shape[0];
     let (timestep, _) = file.read("timestep", &[Some(batch)])?;
     let (text, text_shape) = file.read(

@@ -247,6 +247,20 @@ pub(crate) fn component_folder(path: &Path, component: &str) -> Option<PathBuf> 
         .find(|folder| folder.join("config.json").is_file())
 }
 
+/// The weights of a diffusers model folder: its shard index or its
+/// `diffusion_pytorch_model.safetensors`, else the folder itself (for [`Checkpoint::open`] to
+/// find one other `.safetensors` file there, such as the `.fp16` variant).
+pub(crate) fn diffusers_weights(folder: PathBuf) -> PathBuf {
+    [
+        "diffusion_pytorch_model.safetensors.index.json",
+        "diffusion_pytorch_model.safetensors",
+    ]
+    .iter()
+    .map(|name| folder.join(name))
+    .find(|file| file.is_file())
+    .unwrap_or(folder)
+}
+
 /// Reads and parses a json file.
 pub(crate) fn read_json<T: DeserializeOwned>(file: &Path) -> Result<T, LoadError> {
     let text = std::fs::read_to_string(file).map_err(|source| LoadError::Io {

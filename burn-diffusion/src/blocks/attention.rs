@@ -21,7 +21,8 @@ pub enum ScoreBias<B: Backend> {
 /// (CUDA: bf16 heads of 64 or 128, forward and backward). Elsewhere it computes the score
 /// matrix, in chunks of query rows when it is large: the two products in the inputs' dtype, the
 /// softmax in f32, the scale applied to `q` before the first product (a pass over
-/// `[.., len_q, head_dim]` instead of one over the score matrix). burn-kernels/DESIGN.md says why Burn's own attention op is not used.
+/// `[.., len_q, head_dim]` instead of one over the score matrix). burn-kernels/DESIGN.md says
+/// why Burn's own attention op is not used.
 ///
 /// # Shapes
 /// - `q`: `[batch, heads, len_q, head_dim]`

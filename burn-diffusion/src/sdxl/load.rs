@@ -10,14 +10,7 @@ use burn_quant::Checkpoint;
 
 use super::{SGM_UNET_PREFIX, UNet2DCondition, UNetConfig, unet_modules};
 use crate::error::LoadError;
-use crate::weights::{NamedTensors, PlaceWeight, component_folder};
-
-/// The weight files diffusers reads from a model folder, in its order of preference (a folder
-/// may also hold `.fp16` variants, which are used only when nothing else is there).
-const DIFFUSERS_WEIGHTS: [&str; 2] = [
-    "diffusion_pytorch_model.safetensors.index.json",
-    "diffusion_pytorch_model.safetensors",
-];
+use crate::weights::{NamedTensors, PlaceWeight, component_folder, diffusers_weights};
 
 /// An opened SDXL UNet checkpoint: its tensors under diffusers' names, and its configuration.
 pub struct UNetCheckpoint {
@@ -48,11 +41,7 @@ impl UNetCheckpoint {
                 .into(),
         })?;
         let config = UNetConfig::from_json(&folder.join("config.json"))?;
-        let weights = DIFFUSERS_WEIGHTS
-            .iter()
-            .map(|name| folder.join(name))
-            .find(|file| file.is_file())
-            .unwrap_or(folder);
+        let weights = diffusers_weights(folder);
         Self::with_names(&weights, config, |key| Some(key.to_string()))
     }
 

@@ -24,16 +24,10 @@ use crate::blocks::{Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedd
 use crate::error::LoadError;
 use crate::flux::linear;
 use crate::sdxl::TimestepEmbedding;
-use crate::weights::{NamedTensors, component_folder};
+use crate::weights::{NamedTensors, component_folder, diffusers_weights};
 
 /// Period of the rotary embedding's slowest lane.
 const ROPE_THETA: f64 = 10000.0;
-
-/// diffusers' weight files of a model folder, the first present taken.
-const DIFFUSERS_WEIGHTS: [&str; 2] = [
-    "diffusion_pytorch_model.safetensors.index.json",
-    "diffusion_pytorch_model.safetensors",
-];
 
 /// The Wan transformer (diffusers' `WanTransformer3DModel`, text-to-video): predicts the flow
 /// of a video latent at a timestep, conditioned on text states.
@@ -67,8 +61,9 @@ pub struct WanInput<B: Backend> {
 }
 
 impl WanConfig {
-    /// A model of this shape with Burn's default initialization (weights are created lazily, in
-    /// the device's default float dtype).
+    /// A model of this shape with Burn's default initialization, in the device's default float
+    /// dtype: the projections' weights are created lazily, on first use; the patch embedding and
+    /// the modulation tables start at zero.
     pub fn init<B: Kernels>(&self, device: &B::Device) -> WanTransformer3D<B> {
         let width = self.inner_dim();
         let [pt, ph, pw] = self.patch_size;
@@ -134,11 +129,7 @@ impl<B: Kernels> WanTransformer3D<B> {
                 .into(),
         })?;
         let config = WanConfig::from_json(&folder.join("config.json"))?;
-        let weights = DIFFUSERS_WEIGHTS
-            .iter()
-            .map(|name| folder.join(name))
-            .find(|file| file.is_file())
-            .unwrap_or(folder);
+        let weights = diffusers_weights(folder);
         let tensors = NamedTensors::new(Checkpoint::open(&weights)?, &weights, |key| {
             Some(key.to_string())
         })?;

@@ -199,11 +199,23 @@ impl CaptionTokenizer {
 
     /// The ids of each caption, [`CaptionTokenizer::length`] per row.
     pub fn encode(&self, captions: &[&str]) -> Result<Vec<Vec<u32>>, LoadError> {
+        Ok(self.encode_masked(captions)?.0)
+    }
+
+    /// The ids of each caption and their attention mask (1 for a caption's own tokens, 0 for
+    /// the padding), [`CaptionTokenizer::length`] per row.
+    pub fn encode_masked(
+        &self,
+        captions: &[&str],
+    ) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>), LoadError> {
         let encodings = self
             .tokenizer
             .encode_batch(captions.to_vec(), true)
             .map_err(|e| tokenizer_error(&self.folder, e.to_string()))?;
-        Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
+        Ok(encodings
+            .iter()
+            .map(|e| (e.get_ids().to_vec(), e.get_attention_mask().to_vec()))
+            .unzip())
     }
 
     /// The ids of each caption as a `[captions, length]` tensor on `device`.

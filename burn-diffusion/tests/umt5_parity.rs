@@ -1,12 +1,15 @@
 //! The umT5 encoder (Wan's text encoder: T5 v1.1 with a relative position bias in every layer)
 //! against transformers' `UMT5EncoderModel`, with and without an attention mask: fixtures made
-//! by `tests/fixtures/make_umt5_fixtures.py` from a tiny random model.
+//! by `tests/fixtures/make_umt5_fixtures.py` from a tiny random model; and Wan's caption
+//! encoding against its pipeline's.
 
 use std::path::Path;
 
 use burn::backend::Flex;
 use burn::tensor::{FloatDType, Int, Tensor};
+use burn_diffusion::pipeline::encode_wan_prompt;
 use burn_diffusion::t5::{T5Config, T5Encoder};
+use burn_diffusion::tokenize::CaptionTokenizer;
 
 type B = Flex;
 
@@ -79,4 +82,42 @@ fn a_single_file_is_read_as_umt5() {
         (3, 4, 4)
     );
     assert_eq!(config.relative_attention_max_distance, 128);
+}
+
+/// Wan's caption encoding equals its pipeline's (`WanPipeline._get_t5_prompt_embeds`): the
+/// padding masked out, each caption cut to its own tokens; the pipeline's zero rows after them
+/// are what the trainer pads with.
+#[test]
+fn wan_prompts_match_the_pipeline() {
+    let captions = [
+        "a red cube on a wooden table",
+        "hi",
+        "  two   cats,\tasleep in the sun  ",
+    ];
+    let tokenizer_folder =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/tiny/tokenizer_2");
+    let tokenizer = CaptionTokenizer::t5(&tokenizer_folder, 16).unwrap();
+    let folder = common::fixture("umt5/wan_prompt/text_encoder");
+    let encoder = T5Encoder::<B>::load(&folder, &Default::default(), FloatDType::F32).unwrap();
+    let states = encode_wan_prompt(&tokenizer, encoder, &captions, 2).unwrap();
+    let lengths: Vec<usize> = states.iter().map(|s| s.shape[0]).collect();
+    assert_eq!(lengths, [15, 3, 13]);
+    let padded = states
+        .into_iter()
+        .map(|s| {
+            let s = Tensor::<B, 2>::from_data(s, &Default::default());
+            let [tokens, width] = s.dims();
+            Tensor::cat(
+                vec![s, Tensor::zeros([16 - tokens, width], &Default::default())],
+                0,
+            )
+        })
+        .collect();
+    let file = common::fixture("umt5/wan_prompt/prompt_embeds.safetensors");
+    assert_within(
+        Tensor::stack::<3>(padded, 0).into_data(),
+        &file,
+        "prompt_embeds",
+        F32_TOLERANCE,
+    );
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use burn::backend::Flex;
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use burn_diffusion::wan::{WanConfig, WanInput, WanTransformer3D};
+use burn_diffusion::wan::{WanCheckpoint, WanConfig, WanInput, WanTransformer3D};
 
 type B = Flex;
 
@@ -60,13 +60,10 @@ fn the_transformer_matches_diffusers() {
 #[test]
 fn a_single_file_under_the_original_names_loads_the_same_model() {
     let file = common::fixture("wan/original.safetensors");
-    let model = WanTransformer3D::<B>::load_original(
-        &file,
-        Some(tiny()),
-        &Default::default(),
-        FloatDType::F32,
-    )
-    .unwrap();
+    let model = WanCheckpoint::open_file(&file, Some(tiny()))
+        .unwrap()
+        .load::<B>(&Default::default(), FloatDType::F32)
+        .unwrap();
     assert_matches_diffusers(&model);
 }
 

@@ -8,6 +8,7 @@ mod flux_inputs;
 mod flux_text;
 mod images;
 mod sdxl_text;
+mod wan_text;
 
 pub use flux_inputs::{image_ids, pack_latents, text_ids, unpack_latents};
 pub use flux_text::{encode_clip_pooled, encode_t5};
@@ -15,3 +16,4 @@ pub use flux2_inputs::{flux2_image_ids, flux2_text_ids, pack_flux2_latents, unpa
 pub use flux2_text::{FLUX2_DEV_LAYERS, FLUX2_KLEIN_LAYERS, encode_flux2_text};
 pub use images::{BucketFit, load_image};
 pub use sdxl_text::encode_sdxl_prompt;
+pub use wan_text::encode_wan_prompt;

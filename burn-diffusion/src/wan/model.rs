@@ -17,14 +17,13 @@ use burn::tensor::activation::silu;
 use burn::tensor::{DType, FloatDType, Tensor, backend::Backend};
 use burn_kernels::Kernels;
 use burn_lora::LoraLinear;
-use burn_quant::Checkpoint;
 
-use super::{WanConfig, diffusers_name};
+use super::{WanCheckpoint, WanConfig};
 use crate::blocks::{Rope, gelu_tanh, layer_norm, rms_norm, sdpa, timestep_embedding};
+use crate::checkpointing::{BlockRunner, Direct};
 use crate::error::LoadError;
 use crate::flux::linear;
 use crate::sdxl::TimestepEmbedding;
-use crate::weights::{NamedTensors, component_folder, diffusers_weights};
 
 /// Period of the rotary embedding's slowest lane.
 const ROPE_THETA: f64 = 10000.0;
@@ -113,58 +112,10 @@ impl WanConfig {
 }
 
 impl<B: Kernels> WanTransformer3D<B> {
-    /// Loads diffusers' layout: a pipeline folder with `transformer/`, the `transformer` folder
-    /// itself (`config.json` and `diffusion_pytorch_model.safetensors` or a shard index); or a
-    /// single file in Wan's original layout (Wan-Video's `diffusion_pytorch_model*.safetensors`,
-    /// ComfyUI's repackaged files) or under diffusers' names, whose configuration is inferred
-    /// ([`WanConfig::from_keys`]). The weights go to `device` in `dtype`.
+    /// Loads a diffusers folder or a single file ([`WanCheckpoint::open`]) with its weights in
+    /// `dtype` on `device`.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
-        if path.is_file() {
-            return Self::load_original(path, None, device, dtype);
-        }
-        let folder = component_folder(path, "transformer").ok_or_else(|| LoadError::Config {
-            file: path.to_path_buf(),
-            message: "no transformer/config.json here: expected a diffusers Wan folder or \
-                          its transformer folder"
-                .into(),
-        })?;
-        let config = WanConfig::from_json(&folder.join("config.json"))?;
-        let weights = diffusers_weights(folder);
-        let tensors = NamedTensors::new(Checkpoint::open(&weights)?, &weights, |key| {
-            Some(key.to_string())
-        })?;
-        tensors.load(
-            config.init::<B>(device),
-            str::to_string,
-            device,
-            dtype,
-            None,
-        )
-    }
-
-    /// Loads a single file in Wan's original layout or under diffusers' names (see
-    /// [`diffusers_name`]) as a model of shape `config`, or of the shape its tensors give when
-    /// `None`.
-    pub fn load_original(
-        file: &Path,
-        config: Option<WanConfig>,
-        device: &B::Device,
-        dtype: FloatDType,
-    ) -> Result<Self, LoadError> {
-        let tensors = NamedTensors::new(Checkpoint::open(file)?, file, |key| {
-            Some(diffusers_name(key))
-        })?;
-        let config = match config {
-            Some(config) => config,
-            None => WanConfig::from_keys(file, tensors.names(), |name| tensors.shape(name))?,
-        };
-        tensors.load(
-            config.init::<B>(device),
-            str::to_string,
-            device,
-            dtype,
-            None,
-        )
+        WanCheckpoint::open(path)?.load(device, dtype)
     }
 
     /// The model's configuration.
@@ -177,11 +128,21 @@ impl<B: Kernels> WanTransformer3D<B> {
     /// # Shapes
     /// - see [`WanInput`]; output: `[batch, out_channels, frames, height, width]`
     pub fn forward(&self, input: WanInput<B>) -> Tensor<B, 5> {
+        self.forward_with(input, &mut Direct)
+    }
+
+    /// [`WanTransformer3D::forward`] with each block run by `runner`, e.g. a
+    /// [`BlockTape`](crate::BlockTape) for training with gradient checkpointing.
+    pub fn forward_with<R: BlockRunner<B>>(
+        &self,
+        input: WanInput<B>,
+        runner: &mut R,
+    ) -> Tensor<B, 5> {
         let [batch, _, frames, height, width] = input.hidden_states.dims();
         let [pt, ph, pw] = self.config.patch_size;
         let grid = [frames / pt, height / ph, width / pw];
         let rope = self.rope(grid, &input.hidden_states.device());
-        let mut x = self
+        let x = self
             .patch_embedding
             .forward(input.hidden_states, self.config.patch_size);
         let (temb, timestep_proj, context) = self.condition_embedder.forward(
@@ -189,13 +150,15 @@ impl<B: Kernels> WanTransformer3D<B> {
             input.encoder_hidden_states,
             self.config.freq_dim,
         );
+        let (mut x, context, timestep_proj, temb) = runner.input((x, context, timestep_proj, temb));
         for block in &self.blocks {
-            x = block.forward(
-                x,
-                context.clone(),
-                timestep_proj.clone(),
-                &rope,
-                &self.config,
+            let (rope, config) = (rope.clone(), self.config.clone());
+            x = runner.run(
+                block,
+                (x, context.clone(), timestep_proj.clone()),
+                move |b, (x, context, timestep_proj)| {
+                    b.forward(x, context, timestep_proj, &rope, &config)
+                },
             );
         }
         let [shift, scale] = modulations(self.scale_shift_table.val(), temb.unsqueeze_dim(1));

@@ -1,4 +1,4 @@
-//! Block-level gradient checkpointing on the FLUX.1 transformer: the gradients of every
+//! Block-level gradient checkpointing on the FLUX.1 and Wan transformers: the gradients of every
 //! parameter equal those of plain backpropagation (Autodiff<Flex>, f32), with the separate ops:
 //! every parameter is trained here, q/k norm scales included, so the tracked path declines the
 //! fused norm-and-rotation that the untracked block forward would take.
@@ -10,6 +10,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
 use burn_diffusion::flux::{Flux, FluxInput, linear_keys};
+use burn_diffusion::wan::{WanInput, WanTransformer3D};
 use burn_diffusion::{BlockTape, Checkpointing};
 
 type Ad = Autodiff<Flex>;
@@ -35,7 +36,7 @@ fn input(model: &Flux<Ad>) -> (FluxInput<Ad>, Tensor<Ad, 3>) {
 }
 
 /// Every parameter's gradient, in visiting order (panics if one is missing).
-fn all_grads(model: &Flux<Ad>, grads: &GradientsParams) -> Vec<(String, Vec<f32>)> {
+fn all_grads<M: Module<Ad>>(model: &M, grads: &GradientsParams) -> Vec<(String, Vec<f32>)> {
     struct Collect<'a>(&'a GradientsParams, Vec<String>, Vec<(String, Vec<f32>)>);
     impl ModuleVisitor<Ad> for Collect<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
@@ -70,7 +71,7 @@ fn grads(model: &Flux<Ad>, checkpointing: Checkpointing) -> (f32, Vec<(String, V
 }
 
 /// Makes every parameter trainable (the projections' base weights start frozen, as LoRA wants).
-fn unfreeze(model: Flux<Ad>) -> Flux<Ad> {
+fn unfreeze<M: Module<Ad>>(model: M) -> M {
     struct Unfreeze;
     impl ModuleMapper<Ad> for Unfreeze {
         fn map_float<const D: usize>(
@@ -98,8 +99,43 @@ fn checkpointed_flux_gradients_equal_plain_backprop() {
     let config = model.config();
     let tensors = 2 * linear_keys(config).len() + 4 * config.depth + 2 * config.depth_single_blocks;
     assert_eq!(plain.len(), tensors);
+    assert_same_gradients(&plain, &checkpointed);
+}
+
+#[test]
+fn checkpointed_wan_gradients_equal_plain_backprop() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/wan");
+    let device = Default::default();
+    let model = unfreeze(WanTransformer3D::<Ad>::load(&path, &device, FloatDType::F32).unwrap());
+    let _separate = burn_kernels::KernelOptions::separate_ops().install();
+    let config = model.config().clone();
+    let normal = Distribution::Normal(0.0, 1.0);
+    let latent = [2, config.in_channels, 3, 4, 4];
+    let input = WanInput {
+        hidden_states: Tensor::random(latent, normal, &device),
+        timestep: Tensor::from_floats([300.0, 900.0], &device),
+        encoder_hidden_states: Tensor::random([2, 5, config.text_dim], normal, &device),
+    };
+    let target = Tensor::<Ad, 5>::random(latent, normal, &device);
+    let grads = |checkpointing| {
+        let mut tape = BlockTape::new(checkpointing);
+        let loss = (model.forward_with(input.clone(), &mut tape) - target.clone())
+            .powi_scalar(2)
+            .mean();
+        let value = loss.to_data().to_vec::<f32>().unwrap()[0];
+        let grads = GradientsParams::from_grads(tape.backward(&loss, &model), &model);
+        (value, all_grads(&model, &grads))
+    };
+    let (plain_loss, plain) = grads(Checkpointing::Off);
+    let (loss, checkpointed) = grads(Checkpointing::Blocks);
+    assert_eq!(loss, plain_loss);
+    assert_same_gradients(&plain, &checkpointed);
+}
+
+/// Each gradient of `checkpointed` equals `plain`'s within f32 rounding, and none is zero.
+fn assert_same_gradients(plain: &[(String, Vec<f32>)], checkpointed: &[(String, Vec<f32>)]) {
     assert_eq!(plain.len(), checkpointed.len());
-    for ((path, expected), (_, actual)) in plain.iter().zip(&checkpointed) {
+    for ((path, expected), (_, actual)) in plain.iter().zip(checkpointed) {
         let norm = expected
             .iter()
             .map(|v| (*v as f64).powi(2))

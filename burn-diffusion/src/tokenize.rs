@@ -207,7 +207,7 @@ impl CaptionTokenizer {
     pub fn encode_masked(
         &self,
         captions: &[&str],
-    ) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>), LoadError> {
+    ) -> Result<(Rows, Rows), LoadError> {
         let encodings = self
             .tokenizer
             .encode_batch(captions.to_vec(), true)
@@ -230,6 +230,9 @@ impl CaptionTokenizer {
         Ok(Tensor::from_data(data, device))
     }
 }
+
+/// Rows of ids or of mask values, one per caption.
+type Rows = Vec<Vec<u32>>;
 
 /// Sets `tokenizer` to give `length` ids per text: truncated at the end, then padded with `pad`
 /// on the side `direction` names.

@@ -183,3 +183,55 @@ pub fn holds_wan(path: &Path) -> bool {
             .any(|t| diffusers_name(t.name) == "condition_embedder.time_proj.weight")
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vae_original_names_map_as_diffusers_converter_maps_them() {
+        let cases = [
+            ("conv1.weight", "quant_conv.weight"),
+            ("conv2.bias", "post_quant_conv.bias"),
+            ("encoder.conv1.weight", "encoder.conv_in.weight"),
+            (
+                "encoder.downsamples.0.residual.0.gamma",
+                "encoder.down_blocks.0.norm1.gamma",
+            ),
+            (
+                "encoder.downsamples.3.shortcut.weight",
+                "encoder.down_blocks.3.conv_shortcut.weight",
+            ),
+            (
+                "encoder.downsamples.5.time_conv.weight",
+                "encoder.down_blocks.5.time_conv.weight",
+            ),
+            (
+                "encoder.middle.1.to_qkv.weight",
+                "encoder.mid_block.attentions.0.to_qkv.weight",
+            ),
+            (
+                "decoder.middle.2.residual.6.bias",
+                "decoder.mid_block.resnets.1.conv2.bias",
+            ),
+            (
+                "decoder.upsamples.3.resample.1.weight",
+                "decoder.up_blocks.0.upsamplers.0.resample.1.weight",
+            ),
+            (
+                "decoder.upsamples.4.shortcut.weight",
+                "decoder.up_blocks.1.resnets.0.conv_shortcut.weight",
+            ),
+            (
+                "decoder.upsamples.14.residual.3.gamma",
+                "decoder.up_blocks.3.resnets.2.norm2.gamma",
+            ),
+            ("decoder.head.0.gamma", "decoder.norm_out.gamma"),
+            ("decoder.head.2.weight", "decoder.conv_out.weight"),
+            ("decoder.conv_in.weight", "decoder.conv_in.weight"),
+        ];
+        for (original, diffusers) in cases {
+            assert_eq!(vae_diffusers_name(original, 2), diffusers, "{original}");
+        }
+    }
+}

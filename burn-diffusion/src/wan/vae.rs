@@ -902,3 +902,86 @@ impl<B: FusedOps> WanDecoder3d<B> {
             .forward_cached(silu(self.norm_out.forward(x)), cache.slot())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::module::conv3d;
+    use burn::tensor::{Distribution, Tolerance};
+
+    type B = Flex;
+
+    fn random<const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    }
+
+    /// A random 3×3×3 causal convolution (padding 1) of 3 channels to 2 with time stride
+    /// `stride`.
+    fn causal(stride: usize, padding: [usize; 3]) -> WanCausalConv3d<B> {
+        WanCausalConv3d {
+            weight: Param::from_tensor(random([2, 3, 3, 3, 3])),
+            bias: Param::from_tensor(random([2])),
+            stride,
+            padding,
+        }
+    }
+
+    /// Burn's own 3-D convolution of `x` (`[batch, channels, frames, h, w]`) after the causal
+    /// time padding, frame-major.
+    fn reference(conv: &WanCausalConv3d<B>, x: Tensor<B, 5>) -> Tensor<B, 5> {
+        let [b, c, _, h, w] = x.dims();
+        let causal = 2 * conv.padding[0];
+        let padded = Tensor::cat(vec![Tensor::zeros([b, c, causal, h, w], &x.device()), x], 2);
+        let options = ConvOptions::new(
+            [conv.stride, 1, 1],
+            [0, conv.padding[1], conv.padding[2]],
+            [1, 1, 1],
+            1,
+        );
+        conv3d(padded, conv.weight.val(), Some(conv.bias.val()), options).swap_dims(1, 2)
+    }
+
+    #[test]
+    fn time_taps_of_2d_convolutions_are_a_causal_3d_convolution() {
+        for (stride, padding) in [(1, [1, 1, 1]), (2, [0, 0, 0])] {
+            let conv = causal(stride, padding);
+            let x = random([2, 3, 5, 6, 7]);
+            conv.forward(x.clone().swap_dims(1, 2), None)
+                .into_data()
+                .assert_approx_eq::<f32>(
+                    &reference(&conv, x).into_data(),
+                    Tolerance::absolute(1e-5),
+                );
+        }
+    }
+
+    #[test]
+    fn chunks_through_the_cache_match_one_pass_over_the_clip() {
+        let conv = causal(1, [1, 1, 1]);
+        let x = random([1, 9, 3, 4, 4]);
+        let mut slot = None;
+        let chunks = [(0, 1), (1, 4), (5, 1), (6, 3)]
+            .into_iter()
+            .map(|(start, length)| {
+                conv.forward_cached(x.clone().narrow(1, start, length), &mut slot)
+            })
+            .collect();
+        Tensor::cat(chunks, 1).into_data().assert_approx_eq::<f32>(
+            &conv.forward(x, None).into_data(),
+            Tolerance::absolute(1e-5),
+        );
+    }
+
+    #[test]
+    fn parameter_paths_drop_the_layer_variants() {
+        assert_eq!(
+            checkpoint_name("encoder.down_blocks.2.Resample.resample.1.weight"),
+            "encoder.down_blocks.2.resample.1.weight"
+        );
+        assert_eq!(
+            checkpoint_name("encoder.down_blocks.0.Residual.norm1.gamma"),
+            "encoder.down_blocks.0.norm1.gamma"
+        );
+    }
+}

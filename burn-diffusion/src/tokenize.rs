@@ -204,10 +204,7 @@ impl CaptionTokenizer {
 
     /// The ids of each caption and their attention mask (1 for a caption's own tokens, 0 for
     /// the padding), [`CaptionTokenizer::length`] per row.
-    pub fn encode_masked(
-        &self,
-        captions: &[&str],
-    ) -> Result<(Rows, Rows), LoadError> {
+    pub fn encode_masked(&self, captions: &[&str]) -> Result<(Rows, Rows), LoadError> {
         let encodings = self
             .tokenizer
             .encode_batch(captions.to_vec(), true)

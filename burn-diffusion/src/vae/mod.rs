@@ -17,4 +17,4 @@ pub use model::{
     LatentDistribution, ResnetBlock2D, SpatialAttention, UNetMidBlock2D, UpDecoderBlock2D,
     Upsample2D, norm_in_f32,
 };
-pub(crate) use model::{conv, group_norm, nearest_2x};
+pub(crate) use model::{conv, group_norm, nearest_2x, pad_bottom_right};

@@ -546,7 +546,7 @@ impl<B: Kernels> Downsample2D<B> {
 /// One row of zeros below and one column on the right (PyTorch's `F.pad(x, (0, 1, 0, 1))`), in
 /// the input's dtype. Burn 0.21's asymmetric convolution padding makes its zeros in the
 /// device's default dtype, which fails for bf16 activations on an f32 device.
-fn pad_bottom_right<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+pub(crate) fn pad_bottom_right<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, c, h, w] = x.dims();
     let (device, dtype) = (x.device(), x.dtype());
     let x = Tensor::cat(vec![x, Tensor::zeros([b, c, h, 1], (&device, dtype))], 3);

@@ -1,4 +1,4 @@
-//! Wan transformer hyperparameters: the Wan 2.1 presets and diffusers' `config.json`.
+//! Wan transformer and VAE hyperparameters: the Wan 2.1 presets and diffusers' `config.json`.
 
 use std::path::Path;
 
@@ -188,4 +188,133 @@ struct DiffusersWanConfig {
 
 fn rope_max_seq_len() -> usize {
     1024
+}
+
+/// The shape of Wan 2.1's causal video VAE (diffusers' `AutoencoderKLWan` without Wan 2.2's
+/// residual blocks and patches): RGB clips to `z_dim` latent channels, 8× smaller in space and
+/// 4× in time, and the statistics that normalize those latents. Field names follow diffusers'
+/// config, `temperal_downsample` spelling included.
+#[derive(Config, Debug, PartialEq)]
+pub struct WanVaeConfig {
+    /// Channels of the encoder's and decoder's finest level.
+    pub base_dim: usize,
+    /// Latent channels.
+    pub z_dim: usize,
+    /// Each level's channels, as multiples of `base_dim`, finest first.
+    pub dim_mult: Vec<usize>,
+    /// Residual blocks per encoder level (the decoder has one more per level).
+    pub num_res_blocks: usize,
+    /// For each step down between levels, whether it halves time as well as space (the
+    /// decoder doubles time where the encoder halves it).
+    pub temperal_downsample: Vec<bool>,
+    /// Per-channel mean of the latents, subtracted before the transformer sees them.
+    pub latents_mean: Vec<f64>,
+    /// Per-channel standard deviation of the latents, divided out after the mean.
+    pub latents_std: Vec<f64>,
+}
+
+impl WanVaeConfig {
+    /// Wan 2.1's VAE (also Wan 2.2 A14B's).
+    pub fn wan21() -> Self {
+        Self {
+            base_dim: 96,
+            z_dim: 16,
+            dim_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            temperal_downsample: vec![false, true, true],
+            latents_mean: vec![
+                -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134,
+                -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+            ],
+            latents_std: vec![
+                2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526,
+                2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+            ],
+        }
+    }
+
+    /// Reads diffusers' `vae/config.json` of an `AutoencoderKLWan`; refuses Wan 2.2's form
+    /// (residual blocks, patches, a decoder of another width), attention between the
+    /// encoder's blocks, and channels other than RGB.
+    pub fn from_json(file: &Path) -> Result<Self, LoadError> {
+        let raw: DiffusersWanVaeConfig = read_json(file)?;
+        let refuse = |message: String| LoadError::Config {
+            file: file.to_path_buf(),
+            message,
+        };
+        if raw.is_residual || raw.patch_size.is_some() {
+            return Err(refuse(
+                "Wan 2.2's VAE (is_residual, patch_size) is not supported".into(),
+            ));
+        }
+        if raw.decoder_base_dim.is_some_and(|dim| dim != raw.base_dim) {
+            return Err(refuse(format!(
+                "decoder_base_dim {:?} differs from base_dim {}",
+                raw.decoder_base_dim, raw.base_dim
+            )));
+        }
+        if !raw.attn_scales.is_empty() {
+            return Err(refuse(format!(
+                "attn_scales {:?} are not supported (none)",
+                raw.attn_scales
+            )));
+        }
+        if (raw.in_channels, raw.out_channels) != (3, 3) {
+            return Err(refuse(format!(
+                "{} channels in and {} out are not supported (RGB)",
+                raw.in_channels, raw.out_channels
+            )));
+        }
+        let config = Self {
+            base_dim: raw.base_dim,
+            z_dim: raw.z_dim,
+            dim_mult: raw.dim_mult,
+            num_res_blocks: raw.num_res_blocks,
+            temperal_downsample: raw.temperal_downsample,
+            latents_mean: raw.latents_mean,
+            latents_std: raw.latents_std,
+        };
+        if config.temperal_downsample.len() + 1 != config.dim_mult.len() {
+            return Err(refuse(format!(
+                "temperal_downsample {:?} needs one entry per step between the levels {:?}",
+                config.temperal_downsample, config.dim_mult
+            )));
+        }
+        if [&config.latents_mean, &config.latents_std]
+            .iter()
+            .any(|values| values.len() != config.z_dim)
+        {
+            return Err(refuse(format!(
+                "latents_mean and latents_std need {} values each",
+                config.z_dim
+            )));
+        }
+        Ok(config)
+    }
+}
+
+/// The fields of diffusers' `AutoencoderKLWan` config the model uses or refuses.
+#[derive(Deserialize)]
+struct DiffusersWanVaeConfig {
+    base_dim: usize,
+    decoder_base_dim: Option<usize>,
+    z_dim: usize,
+    dim_mult: Vec<usize>,
+    num_res_blocks: usize,
+    #[serde(default)]
+    attn_scales: Vec<f64>,
+    temperal_downsample: Vec<bool>,
+    latents_mean: Vec<f64>,
+    latents_std: Vec<f64>,
+    #[serde(default)]
+    is_residual: bool,
+    #[serde(default = "rgb")]
+    in_channels: usize,
+    #[serde(default = "rgb")]
+    out_channels: usize,
+    patch_size: Option<usize>,
+}
+
+fn rgb() -> usize {
+    3
 }

@@ -1,5 +1,6 @@
 //! Wan's original tensor names (Wan-Video's checkpoints, ComfyUI's repackaged files, with or
-//! without `model.diffusion_model.`) and the diffusers names the model's fields follow.
+//! without `model.diffusion_model.`; `Wan2.1_VAE.pth` and ComfyUI's `wan_2.1_vae.safetensors`
+//! for the VAE) and the diffusers names the models' fields follow.
 
 use std::path::Path;
 
@@ -187,6 +188,79 @@ pub fn lora_names(config: &WanConfig) -> LayoutNames {
     }
 }
 
+/// The VAE's original names outside the numbered blocks and their diffusers names.
+const VAE_TOP: [(&str, &str); 8] = [
+    ("conv1.", "quant_conv."),
+    ("conv2.", "post_quant_conv."),
+    ("encoder.conv1.", "encoder.conv_in."),
+    ("decoder.conv1.", "decoder.conv_in."),
+    ("encoder.head.0.", "encoder.norm_out."),
+    ("encoder.head.2.", "encoder.conv_out."),
+    ("decoder.head.0.", "decoder.norm_out."),
+    ("decoder.head.2.", "decoder.conv_out."),
+];
+
+/// The VAE's middle blocks (`middle.N`) and their diffusers names.
+const VAE_MIDDLE: [(&str, &str); 3] = [
+    ("0", "mid_block.resnets.0"),
+    ("1", "mid_block.attentions.0"),
+    ("2", "mid_block.resnets.1"),
+];
+
+/// Inside a residual block of the VAE: the original's `residual` sequence (norm, SiLU,
+/// convolution, norm, SiLU, dropout, convolution) and `shortcut`.
+const VAE_RESIDUAL: [(&str, &str); 5] = [
+    ("residual.0.", "norm1."),
+    ("residual.2.", "conv1."),
+    ("residual.3.", "norm2."),
+    ("residual.6.", "conv2."),
+    ("shortcut.", "conv_shortcut."),
+];
+
+/// The diffusers name of a tensor of the Wan VAE's original layout, for a VAE of
+/// `num_res_blocks` residual blocks per encoder level (the original numbers the decoder's
+/// blocks in one sequence: each level's `num_res_blocks + 1` residual blocks, then its
+/// resample). Any other name (diffusers' own among them) is kept, so that an unknown name is
+/// reported by the loader.
+pub fn vae_diffusers_name(original: &str, num_res_blocks: usize) -> String {
+    if let Some(name) = renamed(original, &VAE_TOP, Direction::ToDiffusers) {
+        return name;
+    }
+    let block_of = |rest: &str| -> Option<(String, String)> {
+        let (sequence, rest) = rest.split_once('.')?;
+        let (index, inner) = rest.split_once('.')?;
+        let block = match sequence {
+            "middle" => VAE_MIDDLE
+                .iter()
+                .find(|(from, _)| *from == index)
+                .map(|(_, to)| to.to_string())?,
+            "downsamples" => format!("down_blocks.{index}"),
+            "upsamples" => {
+                let index: usize = index.parse().ok()?;
+                let per_level = num_res_blocks + 2;
+                let (level, position) = (index / per_level, index % per_level);
+                if position <= num_res_blocks {
+                    format!("up_blocks.{level}.resnets.{position}")
+                } else {
+                    format!("up_blocks.{level}.upsamplers.0")
+                }
+            }
+            _ => return None,
+        };
+        Some((
+            block,
+            renamed(inner, &VAE_RESIDUAL, Direction::ToDiffusers).unwrap_or(inner.into()),
+        ))
+    };
+    original
+        .split_once('.')
+        .filter(|(side, _)| ["encoder", "decoder"].contains(side))
+        .and_then(|(side, rest)| {
+            block_of(rest).map(|(block, inner)| format!("{side}.{block}.{inner}"))
+        })
+        .unwrap_or_else(|| original.to_string())
+}
+
 /// The class name in a diffusers `config.json`.
 #[derive(Deserialize)]
 struct ClassName {
@@ -257,5 +331,52 @@ mod tests {
             assert!(diffusers.contains(module), "{module}");
         }
         assert_eq!(names.diffusers_prefix, "transformer");
+    }
+
+    #[test]
+    fn the_vae_original_names_map_as_diffusers_converter_maps_them() {
+        let cases = [
+            ("conv1.weight", "quant_conv.weight"),
+            ("conv2.bias", "post_quant_conv.bias"),
+            ("encoder.conv1.weight", "encoder.conv_in.weight"),
+            (
+                "encoder.downsamples.0.residual.0.gamma",
+                "encoder.down_blocks.0.norm1.gamma",
+            ),
+            (
+                "encoder.downsamples.3.shortcut.weight",
+                "encoder.down_blocks.3.conv_shortcut.weight",
+            ),
+            (
+                "encoder.downsamples.5.time_conv.weight",
+                "encoder.down_blocks.5.time_conv.weight",
+            ),
+            (
+                "encoder.middle.1.to_qkv.weight",
+                "encoder.mid_block.attentions.0.to_qkv.weight",
+            ),
+            (
+                "decoder.middle.2.residual.6.bias",
+                "decoder.mid_block.resnets.1.conv2.bias",
+            ),
+            (
+                "decoder.upsamples.3.resample.1.weight",
+                "decoder.up_blocks.0.upsamplers.0.resample.1.weight",
+            ),
+            (
+                "decoder.upsamples.4.shortcut.weight",
+                "decoder.up_blocks.1.resnets.0.conv_shortcut.weight",
+            ),
+            (
+                "decoder.upsamples.14.residual.3.gamma",
+                "decoder.up_blocks.3.resnets.2.norm2.gamma",
+            ),
+            ("decoder.head.0.gamma", "decoder.norm_out.gamma"),
+            ("decoder.head.2.weight", "decoder.conv_out.weight"),
+            ("decoder.conv_in.weight", "decoder.conv_in.weight"),
+        ];
+        for (original, diffusers) in cases {
+            assert_eq!(vae_diffusers_name(original, 2), diffusers, "{original}");
+        }
     }
 }

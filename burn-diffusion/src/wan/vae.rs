@@ -1,0 +1,987 @@
+//! Wan 2.1's causal video VAE, block by block as diffusers writes it: an encoder of causal 3-D
+//! convolutions from RGB clips to a diagonal Gaussian over latents (8× smaller in space, 4× in
+//! time, the first frame alone), and a decoder back.
+//!
+//! Clips go through chunk by chunk, as the reference runs them: the encoder takes the first
+//! frame, then 4 frames at a time; the decoder takes one latent frame at a time. Each causal
+//! convolution keeps the last 2 frames of its input from one chunk to the next (a
+//! [`FrameCache`]), so a chunk sees exactly what it would see in one pass over the whole clip,
+//! and a long clip needs the memory of one chunk. A causal convolution is a sum over its time
+//! taps of 2-D convolutions ([`burn_kernels::products::conv2d`], the device's DNN library where
+//! it has one) on frames folded into the batch. Inside, activations are frame-major
+//! (`[batch, frames, channels, height, width]`), so that folding frames is a reshape.
+
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/autoencoder_kl_wan.py (WanCausalConv3d, WanRMS_norm, WanUpsample, WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanEncoder3d, WanUpBlock, WanDecoder3d, AutoencoderKLWan)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/wan/pipeline_wan.py (latents_mean, latents_std)
+
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::nn::Initializer;
+use burn::tensor::activation::silu;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive, backend::Backend};
+use burn_kernels::{FusedOps, KernelOptions, products};
+use burn_quant::Checkpoint;
+
+use super::{WanVaeConfig, vae_diffusers_name};
+use crate::blocks::sdpa;
+use crate::error::LoadError;
+use crate::vae::{nearest_2x, pad_bottom_right};
+use crate::weights::{NamedTensors, component_folder, diffusers_weights};
+
+/// Input frames each causal convolution keeps for the next chunk (its time kernel less one).
+const CACHE_FRAMES: usize = 2;
+/// Frames the encoder takes at a time after the first.
+const CHUNK_FRAMES: usize = 4;
+/// The smallest norm [`WanRmsNorm`] divides by (PyTorch's `F.normalize`).
+const NORM_EPS: f64 = 1e-12;
+
+/// Wan 2.1's video VAE (diffusers' `AutoencoderKLWan`): RGB clips of `4k + 1` frames in
+/// `[-1, 1]` to latents of `k + 1` frames, 8× smaller in space, and back.
+///
+/// Fields follow diffusers' keys, so a diffusers `vae` folder loads without renaming; Wan's
+/// original layout is renamed by [`vae_diffusers_name`]. Its convolutions take the backend's
+/// own tensors ([`FusedOps`]): it runs without autodiff (under `Autodiff<B>`, on `B`).
+#[derive(Module, Debug)]
+pub struct WanVae<B: Backend> {
+    /// Clip to latent moments.
+    pub encoder: WanEncoder3d<B>,
+    /// 1×1×1 convolution over the moments.
+    pub quant_conv: WanCausalConv3d<B>,
+    /// 1×1×1 convolution over a latent before decoding.
+    pub post_quant_conv: WanCausalConv3d<B>,
+    /// Latent to clip.
+    pub decoder: WanDecoder3d<B>,
+    config: WanVaeConfig,
+}
+
+impl WanVaeConfig {
+    /// A VAE of this shape with Burn's default initialization (the norms' scales at one),
+    /// created lazily, on first use, in the device's default float dtype.
+    pub fn init<B: FusedOps>(&self, device: &B::Device) -> WanVae<B> {
+        let z = self.z_dim;
+        WanVae {
+            encoder: WanEncoder3d::new(self, device),
+            quant_conv: WanCausalConv3d::new(2 * z, 2 * z, [1, 1, 1], 1, [0, 0, 0], device),
+            post_quant_conv: WanCausalConv3d::new(z, z, [1, 1, 1], 1, [0, 0, 0], device),
+            decoder: WanDecoder3d::new(self, device),
+            config: self.clone(),
+        }
+    }
+}
+
+impl<B: FusedOps> WanVae<B> {
+    /// Loads diffusers' layout, a pipeline folder with `vae/` or the `vae` folder itself
+    /// (`config.json` and `diffusion_pytorch_model.safetensors`), or a single file in Wan's
+    /// original layout (`Wan2.1_VAE.pth` as safetensors, ComfyUI's `wan_2.1_vae.safetensors`)
+    /// as Wan 2.1's VAE ([`WanVaeConfig::wan21`]). The weights go to `device` in `dtype`, the
+    /// dtype the VAE then computes in.
+    pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
+        if path.is_file() {
+            return Self::load_original(path, WanVaeConfig::wan21(), device, dtype);
+        }
+        let folder = component_folder(path, "vae").ok_or_else(|| LoadError::Config {
+            file: path.to_path_buf(),
+            message: "no vae/config.json here: expected a diffusers Wan folder or its vae folder"
+                .into(),
+        })?;
+        let config = WanVaeConfig::from_json(&folder.join("config.json"))?;
+        let weights = diffusers_weights(folder);
+        let tensors = NamedTensors::new(Checkpoint::open(&weights)?, &weights, |key| {
+            Some(key.to_string())
+        })?;
+        tensors.load(config.init(device), checkpoint_name, device, dtype, None)
+    }
+
+    /// Loads a single file in Wan's original layout (or under diffusers' names) as a VAE of
+    /// shape `config`; every missing, unused or mis-shaped tensor is reported at once.
+    pub fn load_original(
+        file: &Path,
+        config: WanVaeConfig,
+        device: &B::Device,
+        dtype: FloatDType,
+    ) -> Result<Self, LoadError> {
+        let blocks = config.num_res_blocks;
+        let tensors = NamedTensors::new(Checkpoint::open(file)?, file, |key| {
+            Some(vae_diffusers_name(key, blocks))
+        })?;
+        tensors.load(config.init(device), checkpoint_name, device, dtype, None)
+    }
+
+    /// The VAE's configuration.
+    pub fn config(&self) -> &WanVaeConfig {
+        &self.config
+    }
+
+    /// The mean of the latent distribution of `video`, computed in the weights' dtype: the
+    /// first frame alone, then 4 frames at a time.
+    ///
+    /// # Shapes
+    /// - `video`: `[batch, 3, frames, height, width]`; output:
+    ///   `[batch, z_dim, 1 + (frames - 1) / 4, height / 8, width / 8]`
+    ///
+    /// # Panics
+    /// When `frames` is not `4k + 1` (an image is a clip of one frame).
+    pub fn encode(&self, video: Tensor<B, 5>) -> Tensor<B, 5> {
+        let frames = video.dims()[2];
+        assert!(
+            frames % CHUNK_FRAMES == 1,
+            "Wan's VAE encodes 4k + 1 frames, got {frames}"
+        );
+        let x = video.cast(self.dtype()).swap_dims(1, 2);
+        let mut cache = FrameCache::default();
+        let chunks = (0..1 + frames / CHUNK_FRAMES)
+            .map(|i| {
+                let (start, length) = match i {
+                    0 => (0, 1),
+                    _ => (1 + CHUNK_FRAMES * (i - 1), CHUNK_FRAMES),
+                };
+                cache.restart();
+                self.encoder
+                    .forward(x.clone().narrow(1, start, length), &mut cache)
+            })
+            .collect();
+        let moments = self.quant_conv.forward(Tensor::cat(chunks, 1), None);
+        moments.narrow(2, 0, self.config.z_dim).swap_dims(1, 2)
+    }
+
+    /// The latents the transformer sees of `video`: [`encode`](Self::encode), then
+    /// [`normalize`](Self::normalize).
+    ///
+    /// # Shapes
+    /// - as [`encode`](Self::encode)
+    ///
+    /// # Panics
+    /// As [`encode`](Self::encode).
+    pub fn encode_latents(&self, video: Tensor<B, 5>) -> Tensor<B, 5> {
+        self.normalize(self.encode(video))
+    }
+
+    /// `(z - latents_mean) · (1 / latents_std)` per channel, as the Wan pipeline writes it.
+    ///
+    /// # Shapes
+    /// - `z`: `[batch, z_dim, frames, height, width]`; output: same
+    pub fn normalize(&self, z: Tensor<B, 5>) -> Tensor<B, 5> {
+        let [mean, inverse_std] = self.statistics(&z);
+        (z - mean) * inverse_std
+    }
+
+    /// The inverse of [`normalize`](Self::normalize): `latents / (1 / latents_std) +
+    /// latents_mean`.
+    ///
+    /// # Shapes
+    /// - `latents`: `[batch, z_dim, frames, height, width]`; output: same
+    pub fn denormalize(&self, latents: Tensor<B, 5>) -> Tensor<B, 5> {
+        let [mean, inverse_std] = self.statistics(&latents);
+        latents / inverse_std + mean
+    }
+
+    /// The clip of latents `z`, one latent frame at a time, clamped to `[-1, 1]`, in the
+    /// weights' dtype: the first latent frame gives one frame, each later one four.
+    ///
+    /// # Shapes
+    /// - `z`: `[batch, z_dim, frames, height, width]`; output:
+    ///   `[batch, 3, 4 · (frames - 1) + 1, 8 · height, 8 · width]`
+    pub fn decode(&self, z: Tensor<B, 5>) -> Tensor<B, 5> {
+        let frames = z.dims()[2];
+        let x = self
+            .post_quant_conv
+            .forward(z.cast(self.dtype()).swap_dims(1, 2), None);
+        let mut cache = FrameCache::default();
+        let clips = (0..frames)
+            .map(|i| {
+                cache.restart();
+                self.decoder
+                    .forward(x.clone().narrow(1, i, 1), &mut cache, i == 0)
+            })
+            .collect();
+        Tensor::cat(clips, 1).clamp(-1.0, 1.0).swap_dims(1, 2)
+    }
+
+    /// The clip of the transformer's latents: [`denormalize`](Self::denormalize), then
+    /// [`decode`](Self::decode).
+    ///
+    /// # Shapes
+    /// - as [`decode`](Self::decode)
+    pub fn decode_latents(&self, latents: Tensor<B, 5>) -> Tensor<B, 5> {
+        self.decode(self.denormalize(latents))
+    }
+
+    /// The dtype of the weights.
+    fn dtype(&self) -> DType {
+        self.quant_conv.weight.val().dtype()
+    }
+
+    /// `latents_mean` and `1 / latents_std` (in f32, as the pipeline's tensors), shaped to
+    /// broadcast over `like`'s channels, in its dtype.
+    fn statistics(&self, like: &Tensor<B, 5>) -> [Tensor<B, 5>; 2] {
+        let channels = self.config.z_dim;
+        let tensor = |values: Vec<f32>| {
+            Tensor::<B, 1>::from_data(
+                TensorData::new(values, [channels]),
+                (&like.device(), like.dtype()),
+            )
+            .reshape([1, channels, 1, 1, 1])
+        };
+        let mean = self.config.latents_mean.iter().map(|&v| v as f32).collect();
+        let inverse = self.config.latents_std.iter().map(|&v| 1.0 / v as f32);
+        [tensor(mean), tensor(inverse.collect())]
+    }
+}
+
+/// The checkpoint name of a parameter's module path: the path without the variants of
+/// [`WanDownLayer`] (capitalized; the checkpoints' names are lower-case).
+fn checkpoint_name(path: &str) -> String {
+    path.split('.')
+        .filter(|segment| !segment.starts_with(|c: char| c.is_ascii_uppercase()))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The frames each causal convolution of an encoder or decoder keeps from one chunk for the
+/// next, in the order the convolutions run (diffusers' `feat_cache` and `feat_idx`); empty
+/// for a new clip.
+pub struct FrameCache<B: Backend> {
+    slots: Vec<Option<Tensor<B, 5>>>,
+    next: usize,
+}
+
+impl<B: Backend> Default for FrameCache<B> {
+    fn default() -> Self {
+        Self {
+            slots: Vec::new(),
+            next: 0,
+        }
+    }
+}
+
+impl<B: Backend> FrameCache<B> {
+    /// Goes back to the first convolution, for the next chunk.
+    pub fn restart(&mut self) {
+        self.next = 0;
+    }
+
+    /// The next convolution's slot: empty in the first chunk.
+    fn slot(&mut self) -> &mut Option<Tensor<B, 5>> {
+        if self.next == self.slots.len() {
+            self.slots.push(None);
+        }
+        self.next += 1;
+        &mut self.slots[self.next - 1]
+    }
+}
+
+/// `conv2d` of `x` with `weight` (stride and padding on both sides), plus `bias`, through
+/// [`products::conv2d`] under the installed kernel options.
+fn conv2d<B: FusedOps>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    stride: usize,
+    padding: [usize; 2],
+) -> Tensor<B, 4> {
+    let out = products::conv2d::<B>(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|bias| bias.into_primitive().tensor()),
+        ConvOptions::new([stride, stride], padding, [1, 1], 1),
+        &KernelOptions::current(),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// A 3-D convolution, causal in time: `2 · padding[0]` frames before the input, from the
+/// previous chunk's frames or zeros, none after; symmetric zero padding in space (diffusers'
+/// `WanCausalConv3d`).
+#[derive(Module, Debug)]
+pub struct WanCausalConv3d<B: Backend> {
+    /// `[out, in, kt, kh, kw]`.
+    pub weight: Param<Tensor<B, 5>>,
+    /// `[out]`.
+    pub bias: Param<Tensor<B, 1>>,
+    stride: usize,
+    padding: [usize; 3],
+}
+
+impl<B: FusedOps> WanCausalConv3d<B> {
+    /// A convolution of kernel `[kt, kh, kw]`, time stride `stride` (spatial stride 1) and
+    /// padding `[pt, ph, pw]`, with Burn's default initialization.
+    fn new(
+        input: usize,
+        output: usize,
+        kernel: [usize; 3],
+        stride: usize,
+        padding: [usize; 3],
+        device: &B::Device,
+    ) -> Self {
+        let [kt, kh, kw] = kernel;
+        let (weight, bias) = conv_params([output, input, kt, kh, kw], device);
+        Self {
+            weight,
+            bias,
+            stride,
+            padding,
+        }
+    }
+
+    /// The convolution of `x` after `history`, the frames that precede it (at most
+    /// `2 · padding[0]`; zeros stand for the rest).
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames', out, height',
+    ///   width']`
+    pub fn forward(&self, x: Tensor<B, 5>, history: Option<Tensor<B, 5>>) -> Tensor<B, 5> {
+        let causal = 2 * self.padding[0];
+        let (x, missing) = match history {
+            Some(history) if causal > 0 => {
+                let held = history.dims()[1];
+                (
+                    Tensor::cat(vec![history, x], 1),
+                    causal.saturating_sub(held),
+                )
+            }
+            _ => (x, causal),
+        };
+        let [b, frames, c, h, w] = x.dims();
+        let x = match missing {
+            0 => x,
+            _ => {
+                let zeros = Tensor::zeros([b, missing, c, h, w], (&x.device(), x.dtype()));
+                Tensor::cat(vec![zeros, x], 1)
+            }
+        };
+        let frames = frames + missing;
+        let [output, _, kt, kh, kw] = self.weight.dims();
+        let out_frames = (frames - kt) / self.stride + 1;
+        let weight = self.weight.val();
+        let spatial = [self.padding[1], self.padding[2]];
+        let mut sum: Option<Tensor<B, 4>> = None;
+        for tap in 0..kt {
+            let taken = match self.stride {
+                1 => x.clone().narrow(1, tap, out_frames),
+                stride => {
+                    let last = tap + stride * (out_frames - 1);
+                    let indices = Tensor::<B, 1, Int>::arange_step(
+                        tap as i64..last as i64 + 1,
+                        stride,
+                        &x.device(),
+                    );
+                    x.clone().select(1, indices)
+                }
+            };
+            let folded = taken.reshape([b * out_frames, c, h, w]);
+            let kernel = weight
+                .clone()
+                .narrow(2, tap, 1)
+                .reshape([output, c, kh, kw]);
+            let bias = (tap == 0).then(|| self.bias.val());
+            let y = conv2d(folded, kernel, bias, 1, spatial);
+            sum = Some(match sum {
+                Some(sum) => sum + y,
+                None => y,
+            });
+        }
+        let y = sum.expect("a kernel has at least one tap");
+        let [_, _, h_out, w_out] = y.dims();
+        y.reshape([b, out_frames, output, h_out, w_out])
+    }
+
+    /// [`forward`](Self::forward) after the frames `slot` kept from the previous chunk, keeping
+    /// the last 2 frames of the input seen so far in `slot` for the next.
+    pub fn forward_cached(&self, x: Tensor<B, 5>, slot: &mut Option<Tensor<B, 5>>) -> Tensor<B, 5> {
+        let history = slot.take();
+        let frames = x.dims()[1];
+        let kept = match &history {
+            _ if frames >= CACHE_FRAMES => x.clone().narrow(1, frames - CACHE_FRAMES, CACHE_FRAMES),
+            Some(history) => {
+                let last = history.dims()[1] - 1;
+                Tensor::cat(vec![history.clone().narrow(1, last, 1), x.clone()], 1)
+            }
+            None => x.clone(),
+        };
+        *slot = Some(kept);
+        self.forward(x, history)
+    }
+}
+
+/// A 2-D convolution with bias (diffusers' `nn.Conv2d` in the resamples and the attention).
+#[derive(Module, Debug)]
+pub struct WanConv2d<B: Backend> {
+    /// `[out, in, kh, kw]`.
+    pub weight: Param<Tensor<B, 4>>,
+    /// `[out]`.
+    pub bias: Param<Tensor<B, 1>>,
+    stride: usize,
+    padding: usize,
+}
+
+impl<B: FusedOps> WanConv2d<B> {
+    fn new(
+        input: usize,
+        output: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        device: &B::Device,
+    ) -> Self {
+        let (weight, bias) = conv_params([output, input, kernel, kernel], device);
+        Self {
+            weight,
+            bias,
+            stride,
+            padding,
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, in, height, width]`; output: `[batch, out, height', width']`
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let padding = [self.padding; 2];
+        conv2d(
+            x,
+            self.weight.val(),
+            Some(self.bias.val()),
+            self.stride,
+            padding,
+        )
+    }
+}
+
+/// A convolution's weight of `shape` (`[out, in, kernel…]`) and its bias, with `nn.Conv2d`'s
+/// default initialization.
+fn conv_params<B: Backend, const D: usize>(
+    shape: [usize; D],
+    device: &B::Device,
+) -> (Param<Tensor<B, D>>, Param<Tensor<B, 1>>) {
+    let init = Initializer::KaimingUniform {
+        gain: 1.0 / 3f64.sqrt(),
+        fan_out_only: false,
+    };
+    let taps: usize = shape[2..].iter().product();
+    let (fan_in, fan_out) = (Some(shape[1] * taps), Some(shape[0] * taps));
+    (
+        init.init_with(shape, fan_in, fan_out, device),
+        init.init_with([shape[0]], fan_in, fan_out, device),
+    )
+}
+
+/// `x / ‖x‖ · √channels · gamma` over the channels, the norm computed in f32 and at least
+/// 1e-12 (diffusers' `WanRMS_norm`, without bias). `D` is the rank of `gamma` in the
+/// checkpoint: 4 (`[c, 1, 1, 1]`) in the residual blocks and heads, 3 in the attention.
+#[derive(Module, Debug)]
+pub struct WanRmsNorm<B: Backend, const D: usize> {
+    /// `[channels, 1, …]`.
+    pub gamma: Param<Tensor<B, D>>,
+}
+
+impl<B: FusedOps, const D: usize> WanRmsNorm<B, D> {
+    fn new(channels: usize, device: &B::Device) -> Self {
+        let mut shape = [1; D];
+        shape[0] = channels;
+        Self {
+            gamma: Initializer::Ones.init(shape, device),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, channels, height, width]`; output: same
+    pub fn forward(&self, x: Tensor<B, 5>) -> Tensor<B, 5> {
+        let dtype = x.dtype();
+        let channels = x.dims()[2];
+        let x = x.cast(DType::F32);
+        let norm = x.clone().square().sum_dim(2).sqrt().clamp_min(NORM_EPS);
+        let gamma = self.gamma.val().reshape([1, 1, channels, 1, 1]);
+        (x / norm).cast(dtype) * (channels as f64).sqrt() * gamma
+    }
+}
+
+/// `shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))`, the shortcut a 1×1×1
+/// convolution when the width changes (diffusers' `WanResidualBlock`; its dropout holds
+/// nothing).
+#[derive(Module, Debug)]
+pub struct WanResidualBlock<B: Backend> {
+    /// First norm.
+    pub norm1: WanRmsNorm<B, 4>,
+    /// First 3×3×3 causal convolution.
+    pub conv1: WanCausalConv3d<B>,
+    /// Second norm.
+    pub norm2: WanRmsNorm<B, 4>,
+    /// Second 3×3×3 causal convolution.
+    pub conv2: WanCausalConv3d<B>,
+    /// 1×1×1 projection of the input when the width changes.
+    pub conv_shortcut: Option<WanCausalConv3d<B>>,
+}
+
+impl<B: FusedOps> WanResidualBlock<B> {
+    fn new(input: usize, output: usize, device: &B::Device) -> Self {
+        let conv = |input| WanCausalConv3d::new(input, output, [3; 3], 1, [1; 3], device);
+        Self {
+            norm1: WanRmsNorm::new(input, device),
+            conv1: conv(input),
+            norm2: WanRmsNorm::new(output, device),
+            conv2: conv(output),
+            conv_shortcut: (input != output)
+                .then(|| WanCausalConv3d::new(input, output, [1; 3], 1, [0; 3], device)),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames, out, height,
+    ///   width]`
+    pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
+        let shortcut = match &self.conv_shortcut {
+            Some(conv) => conv.forward(x.clone(), None),
+            None => x.clone(),
+        };
+        let h = self
+            .conv1
+            .forward_cached(silu(self.norm1.forward(x)), cache.slot());
+        let h = self
+            .conv2
+            .forward_cached(silu(self.norm2.forward(h)), cache.slot());
+        h + shortcut
+    }
+}
+
+/// Single-head self-attention over the pixels of each frame, with its own norm and a residual
+/// connection (diffusers' `WanAttentionBlock`).
+#[derive(Module, Debug)]
+pub struct WanAttentionBlock<B: Backend> {
+    /// Norm of the input.
+    pub norm: WanRmsNorm<B, 3>,
+    /// 1×1 projection to queries, keys and values, stacked.
+    pub to_qkv: WanConv2d<B>,
+    /// 1×1 output projection.
+    pub proj: WanConv2d<B>,
+}
+
+impl<B: FusedOps> WanAttentionBlock<B> {
+    fn new(width: usize, device: &B::Device) -> Self {
+        Self {
+            norm: WanRmsNorm::new(width, device),
+            to_qkv: WanConv2d::new(width, 3 * width, 1, 1, 0, device),
+            proj: WanConv2d::new(width, width, 1, 1, 0, device),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, channels, height, width]`; output: same
+    pub fn forward(&self, x: Tensor<B, 5>) -> Tensor<B, 5> {
+        let [b, t, c, h, w] = x.dims();
+        let normed = self.norm.forward(x.clone()).reshape([b * t, c, h, w]);
+        let qkv = self
+            .to_qkv
+            .forward(normed)
+            .reshape([b * t, 3 * c, h * w])
+            .swap_dims(1, 2);
+        let head = |i: usize| qkv.clone().narrow(2, i * c, c).unsqueeze_dim::<4>(1);
+        let attended = sdpa(head(0), head(1), head(2))
+            .squeeze_dim::<3>(1)
+            .swap_dims(1, 2)
+            .reshape([b * t, c, h, w]);
+        self.proj.forward(attended).reshape([b, t, c, h, w]) + x
+    }
+}
+
+/// A residual block, attention, and a second residual block (diffusers' `WanMidBlock`).
+#[derive(Module, Debug)]
+pub struct WanMidBlock<B: Backend> {
+    /// The two residual blocks.
+    pub resnets: Vec<WanResidualBlock<B>>,
+    /// The attention between them.
+    pub attentions: Vec<WanAttentionBlock<B>>,
+}
+
+impl<B: FusedOps> WanMidBlock<B> {
+    fn new(width: usize, device: &B::Device) -> Self {
+        Self {
+            resnets: (0..2)
+                .map(|_| WanResidualBlock::new(width, width, device))
+                .collect(),
+            attentions: vec![WanAttentionBlock::new(width, device)],
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, channels, height, width]`; output: same
+    pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
+        let mut x = self.resnets[0].forward(x, cache);
+        for (attention, resnet) in self.attentions.iter().zip(&self.resnets[1..]) {
+            x = resnet.forward(attention.forward(x), cache);
+        }
+        x
+    }
+}
+
+/// What a resample does in space, and whether it also resamples time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResampleMode {
+    /// Nearest-neighbour 2× upsampling, then a 3×3 convolution halving the channels.
+    Upsample2d,
+    /// [`Upsample2d`](Self::Upsample2d) after doubling the frames (from the second chunk on).
+    Upsample3d,
+    /// A stride-2 3×3 convolution after one row and column of zeros below and right.
+    Downsample2d,
+    /// [`Downsample2d`](Self::Downsample2d), then halving the frames (from the second chunk
+    /// on).
+    Downsample3d,
+}
+
+/// The resize before a resample's spatial convolution (entry `0` of diffusers' `resample`
+/// sequence: `WanUpsample` or `ZeroPad2d`); it holds no weights.
+#[derive(Module, Clone, Debug)]
+pub struct Resize {
+    /// The resample's mode.
+    #[module(skip)]
+    pub mode: ResampleMode,
+}
+
+/// Resampling of each frame in space, and of time in the `3d` modes by a causal convolution
+/// (diffusers' `WanResample`).
+#[derive(Module, Debug)]
+pub struct WanResample<B: Backend> {
+    /// The resize, then the spatial convolution.
+    pub resample: (Resize, WanConv2d<B>),
+    /// The convolution over time (the `3d` modes): to twice the channels, interleaved into
+    /// twice the frames, when upsampling; kernel 3 at stride 2 when downsampling.
+    pub time_conv: Option<WanCausalConv3d<B>>,
+}
+
+impl<B: FusedOps> WanResample<B> {
+    fn new(width: usize, mode: ResampleMode, device: &B::Device) -> Self {
+        let (conv, time_conv) = match mode {
+            ResampleMode::Upsample2d | ResampleMode::Upsample3d => (
+                WanConv2d::new(width, width / 2, 3, 1, 1, device),
+                (mode == ResampleMode::Upsample3d).then(|| {
+                    WanCausalConv3d::new(width, 2 * width, [3, 1, 1], 1, [1, 0, 0], device)
+                }),
+            ),
+            ResampleMode::Downsample2d | ResampleMode::Downsample3d => (
+                WanConv2d::new(width, width, 3, 2, 0, device),
+                (mode == ResampleMode::Downsample3d)
+                    .then(|| WanCausalConv3d::new(width, width, [3, 1, 1], 2, [0; 3], device)),
+            ),
+        };
+        Self {
+            resample: (Resize { mode }, conv),
+            time_conv,
+        }
+    }
+
+    /// `first_chunk` says whether `x` is the clip's first chunk, which an upsampler leaves one
+    /// frame and a downsampler keeps whole.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, channels, height, width]`; output: `[batch, frames', channels',
+    ///   height', width']`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 5>,
+        cache: &mut FrameCache<B>,
+        first_chunk: bool,
+    ) -> Tensor<B, 5> {
+        let mode = self.resample.0.mode;
+        let x = match (&self.time_conv, mode) {
+            (Some(time_conv), ResampleMode::Upsample3d) => {
+                let slot = cache.slot();
+                if first_chunk {
+                    x
+                } else {
+                    let [b, t, c, h, w] = x.dims();
+                    time_conv
+                        .forward_cached(x, slot)
+                        .reshape([b, t, 2, c, h, w])
+                        .reshape([b, 2 * t, c, h, w])
+                }
+            }
+            _ => x,
+        };
+        let [b, t, c, h, w] = x.dims();
+        let frames = x.reshape([b * t, c, h, w]);
+        let resized = match mode {
+            ResampleMode::Upsample2d | ResampleMode::Upsample3d => nearest_2x(frames),
+            ResampleMode::Downsample2d | ResampleMode::Downsample3d => pad_bottom_right(frames),
+        };
+        let y = self.resample.1.forward(resized);
+        let [_, c, h, w] = y.dims();
+        let y = y.reshape([b, t, c, h, w]);
+        match (&self.time_conv, mode) {
+            (Some(time_conv), ResampleMode::Downsample3d) => {
+                let slot = cache.slot();
+                let history = slot.replace(y.clone().narrow(1, t - 1, 1));
+                match history {
+                    Some(history) => time_conv.forward(Tensor::cat(vec![history, y], 1), None),
+                    None => y,
+                }
+            }
+            _ => y,
+        }
+    }
+}
+
+/// A layer of the encoder's `down_blocks` sequence.
+// Built once per model and held in a `Vec`: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum WanDownLayer<B: Backend> {
+    /// A residual block.
+    Residual(WanResidualBlock<B>),
+    /// The downsampler after a level's residual blocks.
+    Resample(WanResample<B>),
+}
+
+/// Clip to latent moments: a causal convolution in, per level residual blocks and a
+/// downsampler (space, and time where configured), the middle block, and a norm and causal
+/// convolution out (diffusers' `WanEncoder3d`).
+#[derive(Module, Debug)]
+pub struct WanEncoder3d<B: Backend> {
+    /// RGB to the first level's channels.
+    pub conv_in: WanCausalConv3d<B>,
+    /// The levels' residual blocks and downsamplers, in order.
+    pub down_blocks: Vec<WanDownLayer<B>>,
+    /// The middle block.
+    pub mid_block: WanMidBlock<B>,
+    /// Norm before the output.
+    pub norm_out: WanRmsNorm<B, 4>,
+    /// To the moments: `2 · z_dim` channels.
+    pub conv_out: WanCausalConv3d<B>,
+}
+
+impl<B: FusedOps> WanEncoder3d<B> {
+    fn new(config: &WanVaeConfig, device: &B::Device) -> Self {
+        let dims: Vec<usize> = [1]
+            .iter()
+            .chain(&config.dim_mult)
+            .map(|m| m * config.base_dim)
+            .collect();
+        let levels = config.dim_mult.len();
+        let mut down_blocks = Vec::new();
+        for (level, pair) in dims.windows(2).enumerate() {
+            let (mut input, output) = (pair[0], pair[1]);
+            for _ in 0..config.num_res_blocks {
+                let block = WanResidualBlock::new(input, output, device);
+                down_blocks.push(WanDownLayer::Residual(block));
+                input = output;
+            }
+            if level + 1 < levels {
+                let mode = match config.temperal_downsample[level] {
+                    true => ResampleMode::Downsample3d,
+                    false => ResampleMode::Downsample2d,
+                };
+                down_blocks.push(WanDownLayer::Resample(WanResample::new(
+                    output, mode, device,
+                )));
+            }
+        }
+        let width = dims[levels];
+        Self {
+            conv_in: WanCausalConv3d::new(3, dims[0], [3; 3], 1, [1; 3], device),
+            down_blocks,
+            mid_block: WanMidBlock::new(width, device),
+            norm_out: WanRmsNorm::new(width, device),
+            conv_out: WanCausalConv3d::new(width, 2 * config.z_dim, [3; 3], 1, [1; 3], device),
+        }
+    }
+
+    /// One chunk of the clip, after the chunks `cache` has seen.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, 3, height, width]`; output: `[batch, frames', 2 · z_dim,
+    ///   height / 8, width / 8]`
+    pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
+        let mut x = self.conv_in.forward_cached(x, cache.slot());
+        for layer in &self.down_blocks {
+            x = match layer {
+                WanDownLayer::Residual(block) => block.forward(x, cache),
+                WanDownLayer::Resample(resample) => resample.forward(x, cache, false),
+            };
+        }
+        let x = self.mid_block.forward(x, cache);
+        self.conv_out
+            .forward_cached(silu(self.norm_out.forward(x)), cache.slot())
+    }
+}
+
+/// A decoder level: residual blocks, then an upsampler except at the finest level (diffusers'
+/// `WanUpBlock`).
+#[derive(Module, Debug)]
+pub struct WanUpBlock<B: Backend> {
+    /// The residual blocks.
+    pub resnets: Vec<WanResidualBlock<B>>,
+    /// The upsampler (none at the finest level).
+    pub upsamplers: Vec<WanResample<B>>,
+}
+
+/// Latent to clip: a causal convolution in, the middle block, the levels coarsest first, and a
+/// norm and causal convolution out (diffusers' `WanDecoder3d`).
+#[derive(Module, Debug)]
+pub struct WanDecoder3d<B: Backend> {
+    /// Latent to the coarsest level's channels.
+    pub conv_in: WanCausalConv3d<B>,
+    /// The middle block.
+    pub mid_block: WanMidBlock<B>,
+    /// The levels, coarsest first.
+    pub up_blocks: Vec<WanUpBlock<B>>,
+    /// Norm before the output.
+    pub norm_out: WanRmsNorm<B, 4>,
+    /// To RGB.
+    pub conv_out: WanCausalConv3d<B>,
+}
+
+impl<B: FusedOps> WanDecoder3d<B> {
+    fn new(config: &WanVaeConfig, device: &B::Device) -> Self {
+        let coarsest = config.dim_mult.last().copied().unwrap_or(1);
+        let dims: Vec<usize> = [coarsest]
+            .iter()
+            .chain(config.dim_mult.iter().rev())
+            .map(|m| m * config.base_dim)
+            .collect();
+        let levels = config.dim_mult.len();
+        let up_blocks = dims
+            .windows(2)
+            .enumerate()
+            .map(|(level, pair)| {
+                // Every upsampler halves the channels: later levels start from half.
+                let input = if level > 0 { pair[0] / 2 } else { pair[0] };
+                let output = pair[1];
+                let upsamplers = (level + 1 < levels).then(|| {
+                    let mode = match config.temperal_downsample[levels - 2 - level] {
+                        true => ResampleMode::Upsample3d,
+                        false => ResampleMode::Upsample2d,
+                    };
+                    WanResample::new(output, mode, device)
+                });
+                WanUpBlock {
+                    resnets: (0..=config.num_res_blocks)
+                        .map(|i| {
+                            WanResidualBlock::new(
+                                if i == 0 { input } else { output },
+                                output,
+                                device,
+                            )
+                        })
+                        .collect(),
+                    upsamplers: upsamplers.into_iter().collect(),
+                }
+            })
+            .collect();
+        let finest = dims[levels];
+        Self {
+            conv_in: WanCausalConv3d::new(config.z_dim, dims[0], [3; 3], 1, [1; 3], device),
+            mid_block: WanMidBlock::new(dims[0], device),
+            up_blocks,
+            norm_out: WanRmsNorm::new(finest, device),
+            conv_out: WanCausalConv3d::new(finest, 3, [3; 3], 1, [1; 3], device),
+        }
+    }
+
+    /// One latent frame, after the frames `cache` has seen; `first_chunk` for the clip's
+    /// first.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, 1, z_dim, height, width]`; output: `[batch, frames, 3, 8 · height,
+    ///   8 · width]`, one frame for the first chunk, four after
+    pub fn forward(
+        &self,
+        x: Tensor<B, 5>,
+        cache: &mut FrameCache<B>,
+        first_chunk: bool,
+    ) -> Tensor<B, 5> {
+        let x = self.conv_in.forward_cached(x, cache.slot());
+        let mut x = self.mid_block.forward(x, cache);
+        for block in &self.up_blocks {
+            for resnet in &block.resnets {
+                x = resnet.forward(x, cache);
+            }
+            for upsampler in &block.upsamplers {
+                x = upsampler.forward(x, cache, first_chunk);
+            }
+        }
+        self.conv_out
+            .forward_cached(silu(self.norm_out.forward(x)), cache.slot())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::module::conv3d;
+    use burn::tensor::{Distribution, Tolerance};
+
+    type B = Flex;
+
+    fn random<const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    }
+
+    /// A random 3×3×3 causal convolution (padding 1) of 3 channels to 2 with time stride
+    /// `stride`.
+    fn causal(stride: usize, padding: [usize; 3]) -> WanCausalConv3d<B> {
+        WanCausalConv3d {
+            weight: Param::from_tensor(random([2, 3, 3, 3, 3])),
+            bias: Param::from_tensor(random([2])),
+            stride,
+            padding,
+        }
+    }
+
+    /// Burn's own 3-D convolution of `x` (`[batch, channels, frames, h, w]`) after the causal
+    /// time padding, frame-major.
+    fn reference(conv: &WanCausalConv3d<B>, x: Tensor<B, 5>) -> Tensor<B, 5> {
+        let [b, c, _, h, w] = x.dims();
+        let causal = 2 * conv.padding[0];
+        let padded = Tensor::cat(vec![Tensor::zeros([b, c, causal, h, w], &x.device()), x], 2);
+        let options = ConvOptions::new(
+            [conv.stride, 1, 1],
+            [0, conv.padding[1], conv.padding[2]],
+            [1, 1, 1],
+            1,
+        );
+        conv3d(padded, conv.weight.val(), Some(conv.bias.val()), options).swap_dims(1, 2)
+    }
+
+    #[test]
+    fn time_taps_of_2d_convolutions_are_a_causal_3d_convolution() {
+        for (stride, padding) in [(1, [1, 1, 1]), (2, [0, 0, 0])] {
+            let conv = causal(stride, padding);
+            let x = random([2, 3, 5, 6, 7]);
+            conv.forward(x.clone().swap_dims(1, 2), None)
+                .into_data()
+                .assert_approx_eq::<f32>(
+                    &reference(&conv, x).into_data(),
+                    Tolerance::absolute(1e-5),
+                );
+        }
+    }
+
+    #[test]
+    fn chunks_through_the_cache_match_one_pass_over_the_clip() {
+        let conv = causal(1, [1, 1, 1]);
+        let x = random([1, 9, 3, 4, 4]);
+        let mut slot = None;
+        let chunks = [(0, 1), (1, 4), (5, 1), (6, 3)]
+            .into_iter()
+            .map(|(start, length)| {
+                conv.forward_cached(x.clone().narrow(1, start, length), &mut slot)
+            })
+            .collect();
+        Tensor::cat(chunks, 1).into_data().assert_approx_eq::<f32>(
+            &conv.forward(x, None).into_data(),
+            Tolerance::absolute(1e-5),
+        );
+    }
+
+    #[test]
+    fn parameter_paths_drop_the_layer_variants() {
+        assert_eq!(
+            checkpoint_name("encoder.down_blocks.2.Resample.resample.1.weight"),
+            "encoder.down_blocks.2.resample.1.weight"
+        );
+        assert_eq!(
+            checkpoint_name("encoder.down_blocks.0.Residual.norm1.gamma"),
+            "encoder.down_blocks.0.norm1.gamma"
+        );
+    }
+}

@@ -289,7 +289,8 @@ pub struct TrainSectionYaml {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetYaml {
-    /// Folder of images with same-stem caption files (relative to the config file).
+    /// Folder of images, videos and frame folders with same-stem caption files (relative to
+    /// the config file).
     pub folder_path: PathBuf,
     /// Extension of caption files (with or without the dot).
     #[serde(default = "defaults::caption_ext")]
@@ -838,7 +839,7 @@ pub struct TrainSettings {
     pub seed: u64,
 }
 
-/// One image folder, validated.
+/// One dataset folder, validated.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DatasetPlan {
     /// The folder (absolute).
@@ -898,7 +899,7 @@ pub struct TrainPlan {
     pub model: ModelPlan,
     /// The optimisation.
     pub train: TrainSettings,
-    /// The image folders.
+    /// The dataset folders.
     pub datasets: Vec<DatasetPlan>,
     /// Checkpointing.
     pub save: SavePlan,

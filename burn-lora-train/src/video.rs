@@ -35,11 +35,18 @@ impl VideoInfo {
     }
 }
 
-/// Runs `program` with `args` on `path`; a missing program or a failed run is an error
-/// naming `path`.
-fn run(program: &'static str, args: &[&str], path: &Path) -> Result<Output, DatasetError> {
+/// Runs `program` with the arguments `before`, `path` and `after`; a missing program or a
+/// failed run is an error naming `path`.
+fn run(
+    program: &'static str,
+    before: &[&str],
+    path: &Path,
+    after: &[&str],
+) -> Result<Output, DatasetError> {
     let output = Command::new(program)
-        .args(args)
+        .args(before)
+        .arg(path)
+        .args(after)
         .output()
         .map_err(|source| match source.kind() {
             ErrorKind::NotFound => DatasetError::NoFfmpeg {
@@ -61,50 +68,59 @@ fn run(program: &'static str, args: &[&str], path: &Path) -> Result<Output, Data
     Ok(output)
 }
 
+/// The first video stream of `path` as `ffprobe` describes it in JSON; with `count`, its
+/// packets are counted too (which reads the whole file, decoding nothing).
+fn ffprobe(path: &Path, count: bool) -> Result<serde_json::Value, DatasetError> {
+    let mut args = vec!["-v", "error", "-select_streams", "v:0"];
+    if count {
+        args.push("-count_packets");
+    }
+    args.extend([
+        "-show_entries",
+        "stream=width,height,avg_frame_rate,r_frame_rate,nb_frames,nb_read_packets:\
+         stream_tags=rotate:stream_side_data=rotation",
+        "-of",
+        "json",
+        "-i",
+    ]);
+    let output = run("ffprobe", &args, path, &[])?;
+    let stream = serde_json::from_slice::<serde_json::Value>(&output.stdout)
+        .ok()
+        .map(|mut json| json["streams"][0].take())
+        .filter(|stream| !stream.is_null());
+    stream.ok_or_else(|| DatasetError::Ffmpeg {
+        path: path.to_path_buf(),
+        message: "ffprobe finds no video stream".into(),
+    })
+}
+
+/// A whole number that ffprobe writes as a number or a string.
+fn number(stream: &serde_json::Value, key: &str) -> Option<u64> {
+    match &stream[key] {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
 /// Reads the size, frame count and frame rate of the first video stream of `path` with
-/// `ffprobe` (headers and packets only, nothing is decoded).
+/// `ffprobe`: from the headers, and by counting packets (nothing is decoded) where the
+/// container does not record the frame count (Matroska, WebM).
 pub(crate) fn probe(path: &Path) -> Result<VideoInfo, DatasetError> {
-    let file = path.to_string_lossy();
-    let output = run(
-        "ffprobe",
-        &[
-            "-v",
-            "error",
-            "-select_streams",
-            "v:0",
-            "-count_packets",
-            "-show_entries",
-            "stream=width,height,avg_frame_rate,r_frame_rate,nb_frames,nb_read_packets:\
-             stream_tags=rotate:stream_side_data=rotation",
-            "-of",
-            "json",
-            &file,
-        ],
-        path,
-    )?;
     let bad = |what: &str| DatasetError::Ffmpeg {
         path: path.to_path_buf(),
         message: format!("ffprobe reports {what}"),
     };
-    let json: serde_json::Value =
-        serde_json::from_slice(&output.stdout).map_err(|_| bad("no readable answer"))?;
-    let stream = &json["streams"][0];
-    if stream.is_null() {
-        return Err(bad("no video stream"));
+    let mut stream = ffprobe(path, false)?;
+    let recorded = |stream: &serde_json::Value| number(stream, "nb_frames").filter(|&n| n > 0);
+    if recorded(&stream).is_none() {
+        stream = ffprobe(path, true)?;
     }
-    let number = |key: &str| -> Option<u64> {
-        match &stream[key] {
-            serde_json::Value::Number(n) => n.as_u64(),
-            serde_json::Value::String(s) => s.parse().ok(),
-            _ => None,
-        }
-    };
-    let (Some(width), Some(height)) = (number("width"), number("height")) else {
+    let (Some(width), Some(height)) = (number(&stream, "width"), number(&stream, "height")) else {
         return Err(bad("no frame size"));
     };
-    let frames = number("nb_frames")
-        .filter(|&n| n > 0)
-        .or_else(|| number("nb_read_packets"))
+    let frames = recorded(&stream)
+        .or_else(|| number(&stream, "nb_read_packets"))
         .ok_or_else(|| bad("no frame count"))?;
     let rate = |key: &str| -> Option<f64> {
         let (num, den) = stream[key].as_str()?.split_once('/')?;
@@ -151,12 +167,9 @@ pub(crate) fn decode(
     if start > 0 {
         filters.push(format!("trim=start_frame={start}"));
     }
-    let file = path.to_string_lossy();
     let count_arg = count.to_string();
     let filter_arg = filters.join(",");
-    let mut args = vec![
-        "-v", "error", "-nostdin", "-i", &file, "-an", "-sn", "-map", "0:v:0",
-    ];
+    let mut args = vec!["-an", "-sn", "-map", "0:v:0"];
     if !filters.is_empty() {
         args.extend(["-vf", &filter_arg]);
     }
@@ -169,7 +182,7 @@ pub(crate) fn decode(
         "rgb24",
         "-",
     ]);
-    let output = run("ffmpeg", &args, path)?;
+    let output = run("ffmpeg", &["-v", "error", "-nostdin", "-i"], path, &args)?;
     let (width, height) = size;
     let frame_bytes = width as usize * height as usize * 3;
     if !output.stdout.len().is_multiple_of(frame_bytes) {
@@ -204,7 +217,7 @@ mod tests {
 
     #[test]
     fn a_missing_program_names_the_video_and_ffmpeg() {
-        let error = run("burnlora-no-such-program", &[], Path::new("clip.mp4")).unwrap_err();
+        let error = run("burnlora-no-such-program", &[], Path::new("clip.mp4"), &[]).unwrap_err();
         let text = error.to_string();
         assert!(matches!(error, DatasetError::NoFfmpeg { .. }), "{text}");
         assert!(

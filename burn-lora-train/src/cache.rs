@@ -24,7 +24,7 @@ use burn_offload::StreamTarget;
 
 use crate::checkpoint::{read_tensors, write_tensors};
 use crate::config::{ModelSource, TrainPlan, fnv1a64};
-use crate::dataset::{Dataset, DatasetError};
+use crate::dataset::{Dataset, DatasetError, SourceKind};
 use crate::error::TrainError;
 use crate::family::{Encoded, Family, Schema, finite};
 use crate::report::Heartbeat;
@@ -178,6 +178,13 @@ fn cache_file<F: Family>(
             item.bucket.height,
             item.caption
         ));
+        if item.clip.kind != SourceKind::Image {
+            // Image keys stay as they were; a clip adds which frames it is.
+            key.push_str(&format!(
+                "clip {:?} of {} frames\n",
+                item.clip, item.bucket.frames
+            ));
+        }
     }
     let name = format!("{:016x}.safetensors", fnv1a64(key.as_bytes()));
     Ok(folder.join(CACHE_FOLDER).join(name))

@@ -22,6 +22,7 @@ use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, Lora
 use burn_quant::Fp8Format;
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::dataset::FrameExtraction;
 pub use crate::family::{Arch, Objective};
 use crate::rng::Rng;
 
@@ -288,14 +289,15 @@ pub struct TrainSectionYaml {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetYaml {
-    /// Folder of images with same-stem caption files (relative to the config file).
+    /// Folder of images, videos and frame folders with same-stem caption files (relative to
+    /// the config file).
     pub folder_path: PathBuf,
     /// Extension of caption files (with or without the dot).
     #[serde(default = "defaults::caption_ext")]
     pub caption_ext: String,
     /// Bucket resolutions (the side of the square of equal area), multiples of 16; a single
     /// number or a list.
-    #[serde(default = "defaults::resolution", deserialize_with = "one_or_many")]
+    #[serde(default = "defaults::resolution", deserialize_with = "resolutions")]
     pub resolution: Vec<usize>,
     /// Times each image is seen per epoch.
     #[serde(default = "defaults::one")]
@@ -306,6 +308,27 @@ pub struct DatasetYaml {
     /// Keep latents and text embeddings in a cache folder beside the images.
     #[serde(default = "defaults::yes")]
     pub cache_latents_to_disk: bool,
+    /// Frame counts of the clips (each 4k + 1); a single number or a list. `[1]`: images, and
+    /// the first frame of videos and frame folders.
+    #[serde(
+        default = "defaults::frames",
+        deserialize_with = "frame_counts",
+        skip_serializing_if = "defaults::is_one_frame"
+    )]
+    pub frames: Vec<usize>,
+    /// Frames per second that videos are resampled to before clips are cut; absent: their own
+    /// rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fps: Option<f64>,
+    /// Where clips start in a longer video or frame folder: `head` or `uniform`.
+    #[serde(
+        default = "defaults::frame_extraction",
+        skip_serializing_if = "defaults::is_head"
+    )]
+    pub frame_extraction: String,
+    /// Clips per frame count with `frame_extraction: uniform` (1 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame_sample: Option<usize>,
 }
 
 /// `save`.
@@ -365,7 +388,20 @@ impl KernelsYaml {
 }
 
 /// Accepts `512` as well as `[512, 768]`.
-fn one_or_many<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>, D::Error> {
+fn resolutions<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>, D::Error> {
+    one_or_many(deserializer, "a resolution")
+}
+
+/// Accepts `33` as well as `[1, 33]`.
+fn frame_counts<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>, D::Error> {
+    one_or_many(deserializer, "a frame count")
+}
+
+/// A number or a list of numbers, as a list; else an error that names `what` one is.
+fn one_or_many<'de, D: Deserializer<'de>>(
+    deserializer: D,
+    what: &str,
+) -> Result<Vec<usize>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum OneOrMany {
@@ -375,9 +411,9 @@ fn one_or_many<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<usize>,
     match OneOrMany::deserialize(deserializer) {
         Ok(OneOrMany::One(one)) => Ok(vec![one]),
         Ok(OneOrMany::Many(many)) => Ok(many),
-        Err(_) => Err(serde::de::Error::custom(
-            "expected a resolution (a positive integer) or a list of them",
-        )),
+        Err(_) => Err(serde::de::Error::custom(format!(
+            "expected {what} (a positive integer) or a list of them"
+        ))),
     }
 }
 
@@ -453,6 +489,18 @@ mod defaults {
     }
     pub fn caption_ext() -> String {
         "txt".into()
+    }
+    pub fn frames() -> Vec<usize> {
+        vec![1]
+    }
+    pub fn is_one_frame(frames: &[usize]) -> bool {
+        frames == [1]
+    }
+    pub fn frame_extraction() -> String {
+        "head".into()
+    }
+    pub fn is_head(word: &str) -> bool {
+        word == "head"
     }
     pub fn resolution() -> Vec<usize> {
         vec![512]
@@ -791,7 +839,7 @@ pub struct TrainSettings {
     pub seed: u64,
 }
 
-/// One image folder, validated.
+/// One dataset folder, validated.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DatasetPlan {
     /// The folder (absolute).
@@ -806,6 +854,12 @@ pub struct DatasetPlan {
     pub caption_dropout: f64,
     /// Cache latents and embeddings beside the images.
     pub cache_to_disk: bool,
+    /// Frame counts of the clips (each 4k + 1), in the order given.
+    pub frames: Vec<usize>,
+    /// Frames per second that videos are resampled to; `None`: their own rate.
+    pub fps: Option<f64>,
+    /// Where clips start in a longer video or frame folder.
+    pub extraction: FrameExtraction,
 }
 
 /// Checkpointing, validated.
@@ -845,7 +899,7 @@ pub struct TrainPlan {
     pub model: ModelPlan,
     /// The optimisation.
     pub train: TrainSettings,
-    /// The image folders.
+    /// The dataset folders.
     pub datasets: Vec<DatasetPlan>,
     /// Checkpointing.
     pub save: SavePlan,
@@ -1597,7 +1651,43 @@ fn check_dataset(
         d.caption_dropout_rate,
         false,
     );
-    if !(folder_ok && ext_ok && resolutions_ok) {
+    let mut frames_ok = !d.frames.is_empty();
+    if d.frames.is_empty() {
+        c.fail(field("frames"), "expected at least one frame count");
+    }
+    for (j, &n) in d.frames.iter().enumerate() {
+        if n % 4 != 1 {
+            c.fail(
+                field(&format!("frames[{j}]")),
+                format!("{n} is not allowed; expected 4k + 1 frames (1, 5, 9, …, 33, …, 81)"),
+            );
+            frames_ok = false;
+        }
+    }
+    let fps = match d.fps {
+        Some(fps) => c.positive(&field("fps"), fps).map(Some),
+        None => Some(None),
+    };
+    let uniform = c.choose(
+        &field("frame_extraction"),
+        &d.frame_extraction,
+        &[("head", false), ("uniform", true)],
+    );
+    let extraction = match (uniform, d.frame_sample) {
+        (Some(true), samples) => c
+            .at_least(&field("frame_sample"), samples.unwrap_or(1), 1)
+            .map(|samples| FrameExtraction::Uniform { samples }),
+        (Some(false), Some(samples)) if samples != 1 => {
+            c.fail(
+                field("frame_sample"),
+                format!("{samples} is not allowed; it needs `frame_extraction: uniform`"),
+            );
+            None
+        }
+        (Some(false), _) => Some(FrameExtraction::Head),
+        (None, _) => None,
+    };
+    if !(folder_ok && ext_ok && resolutions_ok && frames_ok) {
         return None;
     }
     Some(DatasetPlan {
@@ -1607,6 +1697,9 @@ fn check_dataset(
         repeats: repeats?,
         caption_dropout: dropout?,
         cache_to_disk: d.cache_latents_to_disk,
+        frames: d.frames.clone(),
+        fps: fps?,
+        extraction: extraction?,
     })
 }
 
@@ -1699,6 +1792,48 @@ mod tests {
         assert_ne!(base, separate.resume_fingerprint());
         assert!(!separate.kernels.fused_attention);
         assert!(separate.to_json().contains("\"attention\":\"separate\""));
+    }
+
+    #[test]
+    fn clip_settings_default_to_images_and_name_the_frame_count_at_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), MINIMAL);
+        let plan = TrainPlan::load(&path).unwrap();
+        assert_eq!(plan.datasets[0].frames, [1]);
+        assert_eq!(plan.datasets[0].fps, None);
+        assert_eq!(plan.datasets[0].extraction, FrameExtraction::Head);
+        // Absent clip settings stay out of the JSON, so older fingerprints hold.
+        assert!(!plan.to_json().contains("frame"), "{}", plan.to_json());
+
+        let clips = MINIMAL.replace(
+            "folder_path: images\n",
+            "folder_path: images\n    frames: [1, 33]\n    fps: 16\n    \
+             frame_extraction: uniform\n    frame_sample: 4\n",
+        );
+        let plan = TrainPlan::load(&write(dir.path(), &clips)).unwrap();
+        assert_eq!(plan.datasets[0].frames, [1, 33]);
+        assert_eq!(plan.datasets[0].fps, Some(16.0));
+        assert_eq!(
+            plan.datasets[0].extraction,
+            FrameExtraction::Uniform { samples: 4 }
+        );
+
+        let bad = MINIMAL.replace(
+            "folder_path: images\n",
+            "folder_path: images\n    frames: [1, 32]\n    fps: 0\n    frame_sample: 2\n",
+        );
+        let error = TrainPlan::load(&write(dir.path(), &bad)).unwrap_err();
+        let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "datasets[0].frames[1]",
+                "datasets[0].fps",
+                "datasets[0].frame_sample"
+            ],
+            "{error}"
+        );
+        assert!(error.problems[0].message.contains("4k + 1"), "{error}");
     }
 
     #[test]

@@ -1,31 +1,45 @@
-//! Captioned images, aspect-ratio buckets, and the order in which samples are seen.
+//! Captioned images and video clips, aspect-ratio buckets, and the order in which samples are
+//! seen.
 //!
-//! - A dataset folder holds images (`png`, `jpg`, `jpeg`, `webp`, any case; not recursive) and
-//!   same-stem caption files (`photo.png` + `photo.txt`). As in ai-toolkit, an image without a
-//!   caption file trains with an empty caption; a warning names how many and which.
-//! - Each image is trained at every resolution of its dataset: one [`Item`] per image and
-//!   resolution, in the bucket whose aspect ratio is nearest to the image's ([`bucket_for`]).
-//!   As in ai-toolkit, an image is never upscaled: one smaller than the resolution uses the
-//!   buckets of its own size (rounded down to a multiple of 16).
+//! - A dataset folder holds sources, each with a same-stem caption file (`photo.png` +
+//!   `photo.txt`): images (`png`, `jpg`, `jpeg`, `webp`, any case), videos (`mp4`, `webm`,
+//!   `mov`, `mkv`, any case) and frame folders (a sub-folder of images, one clip, its frames in
+//!   the order of the last number in their names; its caption is `<folder>.txt` beside it).
+//!   Nothing deeper is read. As in ai-toolkit, a source without a caption file trains with an
+//!   empty caption; a warning names how many and which.
+//! - Each source is trained at every resolution and frame count of its dataset: one [`Item`]
+//!   per source, resolution, frame count and clip start ([`FrameExtraction`]), in the bucket
+//!   whose aspect ratio is nearest to the source's ([`bucket_for`]) with that frame count. As in
+//!   ai-toolkit, a source is never upscaled: one smaller than the resolution uses the buckets of
+//!   its own size (rounded down to a multiple of 16). As in musubi-tuner, a source shorter
+//!   than a frame count gives no clip of that count (a warning names it); an image is one
+//!   frame, so it trains only when the frame counts include 1.
 //! - An epoch shows each item `repeats` times. Its order is a function of the seed and the epoch
 //!   number alone, so a [`DataPosition`] (epoch, batch) is all that resuming needs. Batches hold
-//!   items of one bucket; the last batch of a bucket in an epoch may be smaller.
-//! - Scanning reads image headers only (size and EXIF orientation); [`Item::load_pixels`]
-//!   decodes, resizes and crops through burn-diffusion's `load_image`, the same code the VAE
-//!   parity fixtures check.
+//!   items of one bucket (width, height and frames); the last batch of a bucket in an epoch may
+//!   be smaller.
+//! - Scanning reads image headers (size and EXIF orientation) and, through FFmpeg's `ffprobe`,
+//!   video headers; a video that `ffprobe` cannot read is reported and left out.
+//!   [`Item::load_pixels`] and [`Item::load_clip`] decode (videos through the `ffmpeg`
+//!   program), resize and crop every frame through burn-diffusion's `fit_image`, the code that
+//!   `load_image` uses and the VAE parity fixtures check.
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::TensorData;
-use burn_diffusion::pipeline::load_image;
+use burn_diffusion::pipeline::{fit_image, load_image};
 use image::{ImageDecoder, ImageReader, metadata::Orientation};
 use serde::{Deserialize, Serialize};
 
 use crate::config::DatasetPlan;
 use crate::rng::{Rng, derive, unit};
+use crate::video;
 
 /// Extensions of image files (compared without case).
 pub const IMAGE_EXTENSIONS: &[&str] = &["png", "jpg", "jpeg", "webp"];
+
+/// Extensions of video files (compared without case).
+pub const VIDEO_EXTENSIONS: &[&str] = &["mp4", "webm", "mov", "mkv"];
 
 /// The most elongated bucket allowed (long side over short side).
 pub const MAX_ASPECT: f64 = 4.0;
@@ -56,11 +70,57 @@ pub enum DatasetError {
     /// An image could not be loaded (the error names the file).
     #[error(transparent)]
     Load(burn_diffusion::LoadError),
-    /// A dataset folder holds no image.
-    #[error("{folder} holds no image (expected files ending in .png, .jpg, .jpeg or .webp)")]
+    /// A dataset folder holds no readable image, video or frame folder.
+    #[error(
+        "{folder} holds no readable image, video or frame folder (expected files ending in \
+         .png, .jpg, .jpeg, .webp, .mp4, .webm, .mov or .mkv, or folders of images)"
+    )]
     Empty {
         /// The folder.
         folder: PathBuf,
+    },
+    /// No source of a dataset folder is as long as any of the frame counts asked.
+    #[error("{folder}: no image, video or frame folder has {frames:?} frames (`frames`)")]
+    NoClip {
+        /// The folder.
+        folder: PathBuf,
+        /// The frame counts asked.
+        frames: Vec<usize>,
+    },
+    /// An FFmpeg program is not installed.
+    #[error("reading {path} needs the `{program}` program: install FFmpeg (`apt install ffmpeg`)")]
+    NoFfmpeg {
+        /// `ffmpeg` or `ffprobe`.
+        program: &'static str,
+        /// The video.
+        path: PathBuf,
+    },
+    /// FFmpeg cannot read a video.
+    #[error("FFmpeg cannot read {path}: {message}")]
+    Ffmpeg {
+        /// The video.
+        path: PathBuf,
+        /// FFmpeg's last message.
+        message: String,
+    },
+    /// A video or frame folder holds fewer frames than its clip needs (it changed since the
+    /// scan).
+    #[error("{path} gives {found} frames from the clip's start, fewer than its {frames}")]
+    ShortClip {
+        /// The video or frame folder.
+        path: PathBuf,
+        /// The frames it gives.
+        found: usize,
+        /// The frames of the clip.
+        frames: usize,
+    },
+    /// [`Item::load_pixels`] was asked for a clip of several frames.
+    #[error("{path}: a clip of {frames} frames is not an image")]
+    NotAnImage {
+        /// The video or frame folder.
+        path: PathBuf,
+        /// The frames of the clip.
+        frames: usize,
     },
     /// An image is smaller than the smallest bucket (16 × 16 pixels).
     #[error("{path} is {width}x{height}, smaller than the smallest bucket (16x16)")]
@@ -74,13 +134,75 @@ pub enum DatasetError {
     },
 }
 
-/// A training size: width and height in pixels, multiples of 16.
+/// A training size: width and height in pixels, multiples of 16, and frames (1 for an image).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Bucket {
     /// Width in pixels.
     pub width: usize,
     /// Height in pixels.
     pub height: usize,
+    /// Frames (4k + 1; 1 for an image; 1 when absent from serialized data).
+    #[serde(default = "one_frame")]
+    pub frames: usize,
+}
+
+fn one_frame() -> usize {
+    1
+}
+
+/// Where the clips of a source longer than the frame count start (musubi-tuner's
+/// `frame_extraction`, with `frame_sample` as [`Uniform::samples`](FrameExtraction::Uniform)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameExtraction {
+    /// One clip per frame count: the first frames.
+    Head,
+    /// `samples` clips per frame count, their starts spread evenly from the first frame to the
+    /// last start that leaves room for the clip.
+    Uniform {
+        /// Clips per source and frame count (at least 1).
+        samples: usize,
+    },
+}
+
+impl FrameExtraction {
+    /// The start frames of the clips of `frames` frames in a source of `length` frames (at
+    /// least `frames`): `[0]` for `Head` and for one sample, else `⌊k · (length − frames) /
+    /// (samples − 1)⌋` for k = 0 … samples − 1 (musubi-tuner's `np.linspace(0, length −
+    /// frames, samples, dtype=int)`), repeated starts dropped.
+    pub fn starts(self, length: usize, frames: usize) -> Vec<usize> {
+        let room = length - frames;
+        let mut starts: Vec<usize> = match self {
+            Self::Uniform { samples } if samples > 1 => {
+                (0..samples).map(|k| k * room / (samples - 1)).collect()
+            }
+            _ => vec![0],
+        };
+        starts.dedup();
+        starts
+    }
+}
+
+/// What an item's frames come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SourceKind {
+    /// An image file: one frame.
+    Image,
+    /// A video file, decoded by FFmpeg.
+    Video,
+    /// A folder of images, one per frame.
+    FrameFolder,
+}
+
+/// Which frames of its source an item is; the frame count is its bucket's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Clip {
+    /// The kind of source.
+    pub kind: SourceKind,
+    /// Index of the first frame (0 for an image), counted at `fps` when set.
+    pub start: usize,
+    /// Frames per second the video is resampled to before cutting; `None` for its own rate,
+    /// and always for images and frame folders.
+    pub fps: Option<f64>,
 }
 
 /// The buckets of `resolution` (a multiple of 16): widths `resolution + k·step`, each with the
@@ -104,15 +226,19 @@ pub fn buckets(resolution: usize) -> Vec<Bucket> {
         let height = area / width / 16 * 16;
         let aspect = width.max(height) as f64 / width.min(height).max(1) as f64;
         if height >= 16 && aspect <= MAX_ASPECT {
-            out.push(Bucket { width, height });
+            out.push(Bucket {
+                width,
+                height,
+                frames: 1,
+            });
         }
         width += step;
     }
     out
 }
 
-/// The bucket for an image of `width × height` pixels trained at `resolution`: among the
-/// buckets of `min(resolution, the image's own resolution)`, the one whose aspect ratio is
+/// The 1-frame bucket for an image of `width × height` pixels trained at `resolution`: among
+/// the buckets of `min(resolution, the image's own resolution)`, the one whose aspect ratio is
 /// nearest (in log scale; ties go to the larger area). `None` when the image is smaller than
 /// 16 × 16 in area.
 pub fn bucket_for(width: u32, height: u32, resolution: usize) -> Option<Bucket> {
@@ -130,27 +256,99 @@ pub fn bucket_for(width: u32, height: u32, resolution: usize) -> Option<Bucket> 
     })
 }
 
-/// One image at one resolution.
+/// One clip (an image is a clip of one frame) at one resolution.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Item {
-    /// The image file.
+    /// The image file, video file or frame folder.
     pub image: PathBuf,
-    /// The caption (empty when the image has no caption file).
+    /// The caption (empty when the source has no caption file).
     pub caption: String,
-    /// The image's width and height after EXIF orientation, before resizing.
+    /// The source's width and height after EXIF orientation (images, frames) or rotation
+    /// (videos), before resizing; a frame folder's is its first frame's.
     pub size: (u32, u32),
-    /// The size it is trained at.
+    /// The size and frame count it is trained at.
     pub bucket: Bucket,
     /// Index of its dataset in the configuration.
     pub dataset: usize,
+    /// Which frames of the source it is.
+    pub clip: Clip,
 }
 
 impl Item {
-    /// The image as VAE input: oriented by its EXIF tag, resized to cover the bucket,
-    /// center-cropped to it, RGB in [-1, 1], shape `[3, height, width]`
-    /// ([`burn_diffusion::pipeline::load_image`]).
+    /// The image, or the single frame of a 1-frame clip, as VAE input: oriented by its EXIF
+    /// tag, resized to cover the bucket, center-cropped to it, RGB in [-1, 1], shape
+    /// `[3, height, width]` ([`burn_diffusion::pipeline::load_image`]). A clip of more frames
+    /// is [`DatasetError::NotAnImage`].
     pub fn load_pixels(&self) -> Result<TensorData, DatasetError> {
-        load_image(&self.image, self.bucket.width, self.bucket.height).map_err(DatasetError::Load)
+        match (self.clip.kind, self.bucket.frames) {
+            (SourceKind::Image, _) => {
+                load_image(&self.image, self.bucket.width, self.bucket.height)
+                    .map_err(DatasetError::Load)
+            }
+            (_, 1) => Ok(self.frames()?.remove(0)),
+            (_, frames) => Err(DatasetError::NotAnImage {
+                path: self.image.clone(),
+                frames,
+            }),
+        }
+    }
+
+    /// The clip as VAE input: each frame fitted to the bucket exactly as
+    /// [`load_pixels`](Self::load_pixels) fits an image, RGB in [-1, 1], shape
+    /// `[3, frames, height, width]` (an image gives one frame). Videos are decoded by the
+    /// `ffmpeg` program, resampled to the clip's `fps` first when it has one.
+    pub fn load_clip(&self) -> Result<TensorData, DatasetError> {
+        let frames = self.frames()?;
+        let Bucket { width, height, .. } = self.bucket;
+        let plane = width * height;
+        let mut out = vec![0f32; 3 * frames.len() * plane];
+        for (f, frame) in frames.iter().enumerate() {
+            let values = frame.as_slice::<f32>().expect("fitted frames are f32");
+            for c in 0..3 {
+                out[(c * frames.len() + f) * plane..][..plane]
+                    .copy_from_slice(&values[c * plane..][..plane]);
+            }
+        }
+        Ok(TensorData::new(out, [3, frames.len(), height, width]))
+    }
+
+    /// Each frame of the clip, `[3, height, width]` in [-1, 1].
+    fn frames(&self) -> Result<Vec<TensorData>, DatasetError> {
+        let Bucket {
+            width,
+            height,
+            frames,
+        } = self.bucket;
+        let load = |path: &Path| load_image(path, width, height).map_err(DatasetError::Load);
+        match self.clip.kind {
+            SourceKind::Image => Ok(vec![load(&self.image)?]),
+            SourceKind::FrameFolder => {
+                let files = frame_files(&self.image)?;
+                let start = self.clip.start;
+                let clip =
+                    files
+                        .get(start..start + frames)
+                        .ok_or_else(|| DatasetError::ShortClip {
+                            path: self.image.clone(),
+                            found: files.len().saturating_sub(start),
+                            frames,
+                        })?;
+                clip.iter().map(|file| load(file)).collect()
+            }
+            SourceKind::Video => {
+                let decoded = video::decode(
+                    &self.image,
+                    self.size,
+                    self.clip.start,
+                    frames,
+                    self.clip.fps,
+                )?;
+                Ok(decoded
+                    .iter()
+                    .map(|frame| fit_image(frame, width, height))
+                    .collect())
+            }
+        }
     }
 }
 
@@ -217,19 +415,55 @@ pub struct DataPosition {
 }
 
 impl Dataset {
-    /// Lists the images and captions of every dataset and assigns their buckets. Reads image
-    /// headers only.
+    /// Lists the sources and captions of every dataset, cuts clips and assigns their buckets.
+    /// Reads image headers and, with `ffprobe`, video headers only; a video that `ffprobe`
+    /// cannot read is reported (`tracing::error!`) and left out.
     pub fn scan(plans: &[DatasetPlan]) -> Result<Self, DatasetError> {
         let mut items = Vec::new();
         for (index, plan) in plans.iter().enumerate() {
-            let images = list_images(&plan.folder)?;
+            let first = items.len();
+            let mut readable = 0;
             let mut uncaptioned = Vec::new();
-            for image in images {
-                let caption_path = image.with_extension(&plan.caption_ext);
+            let mut unused_images = Vec::new();
+            for (kind, source) in list_sources(&plan.folder)? {
+                let (size, length, fps) = match kind {
+                    SourceKind::Image => (oriented_size(&source)?, 1, None),
+                    SourceKind::FrameFolder => {
+                        let files = frame_files(&source)?;
+                        (oriented_size(&files[0])?, files.len(), None)
+                    }
+                    SourceKind::Video => match video::probe(&source) {
+                        Ok(info) => (info.size, info.frames_at(plan.fps), plan.fps),
+                        Err(e @ DatasetError::NoFfmpeg { .. }) => return Err(e),
+                        Err(e) => {
+                            tracing::error!("{e}; the video is left out");
+                            continue;
+                        }
+                    },
+                };
+                readable += 1;
+                let (counts, short): (Vec<usize>, Vec<usize>) =
+                    plan.frames.iter().partition(|&&n| n <= length);
+                if kind == SourceKind::Image {
+                    if counts.is_empty() {
+                        unused_images.push(source.clone());
+                    }
+                } else if let Some(&n) = short.first() {
+                    let rate = fps.map_or(String::new(), |fps| format!(" at {fps} fps"));
+                    tracing::warn!(
+                        "{} has {length} frames{rate}, fewer than {n}: it gives no clip of \
+                         {short:?} frames",
+                        source.display()
+                    );
+                }
+                if counts.is_empty() {
+                    continue;
+                }
+                let caption_path = caption_path(&source, kind, &plan.caption_ext);
                 let caption = match std::fs::read_to_string(&caption_path) {
                     Ok(text) => text.trim().to_string(),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        uncaptioned.push(image.clone());
+                        uncaptioned.push(source.clone());
                         String::new()
                     }
                     Err(source) => {
@@ -239,33 +473,59 @@ impl Dataset {
                         });
                     }
                 };
-                let (width, height) = oriented_size(&image)?;
+                let (width, height) = size;
                 for &resolution in &plan.resolutions {
                     let bucket = bucket_for(width, height, resolution).ok_or_else(|| {
                         DatasetError::TooSmall {
-                            path: image.clone(),
+                            path: source.clone(),
                             width,
                             height,
                         }
                     })?;
-                    items.push(Item {
-                        image: image.clone(),
-                        caption: caption.clone(),
-                        size: (width, height),
-                        bucket,
-                        dataset: index,
-                    });
+                    for &frames in &counts {
+                        for start in plan.extraction.starts(length, frames) {
+                            items.push(Item {
+                                image: source.clone(),
+                                caption: caption.clone(),
+                                size,
+                                bucket: Bucket { frames, ..bucket },
+                                dataset: index,
+                                clip: Clip { kind, start, fps },
+                            });
+                        }
+                    }
                 }
             }
             if let Some(first) = uncaptioned.first() {
                 tracing::warn!(
-                    "{} of the images in {} have no .{} caption file and train with an empty \
+                    "{} of the sources in {} have no .{} caption file and train with an empty \
                      caption (first: {})",
                     uncaptioned.len(),
                     plan.folder.display(),
                     plan.caption_ext,
                     first.display()
                 );
+            }
+            if let Some(first) = unused_images.first() {
+                tracing::warn!(
+                    "{} images in {} are left out: an image is one frame and `frames` ({:?}) \
+                     lists no 1 (first: {})",
+                    unused_images.len(),
+                    plan.folder.display(),
+                    plan.frames,
+                    first.display()
+                );
+            }
+            if items.len() == first {
+                let folder = plan.folder.clone();
+                return Err(if readable == 0 {
+                    DatasetError::Empty { folder }
+                } else {
+                    DatasetError::NoClip {
+                        folder,
+                        frames: plan.frames.clone(),
+                    }
+                });
             }
         }
         Ok(Self {
@@ -277,8 +537,8 @@ impl Dataset {
         })
     }
 
-    /// Every item, in folder order (datasets in configuration order, files sorted by name,
-    /// resolutions in configuration order).
+    /// Every item, in folder order (datasets in configuration order, sources sorted by name,
+    /// then resolutions and frame counts in configuration order, then clip starts).
     pub fn items(&self) -> &[Item] {
         &self.items
     }
@@ -394,30 +654,85 @@ impl Iterator for Batches<'_> {
     }
 }
 
-/// The image files of `folder`, sorted by name.
-fn list_images(folder: &Path) -> Result<Vec<PathBuf>, DatasetError> {
+/// Whether `path` ends in one of `extensions` (without case).
+fn has_extension(path: &Path, extensions: &[&str]) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| extensions.iter().any(|x| x.eq_ignore_ascii_case(e)))
+}
+
+/// The entries of `folder`.
+fn read_folder(folder: &Path) -> Result<Vec<PathBuf>, DatasetError> {
     let io_error = |source| DatasetError::Io {
         path: folder.to_path_buf(),
         source,
     };
-    let mut images = Vec::new();
-    for entry in std::fs::read_dir(folder).map_err(io_error)? {
-        let path = entry.map_err(io_error)?.path();
-        let is_image = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| IMAGE_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)));
-        if is_image && path.is_file() {
-            images.push(path);
+    std::fs::read_dir(folder)
+        .map_err(io_error)?
+        .map(|entry| entry.map(|e| e.path()).map_err(io_error))
+        .collect()
+}
+
+/// The images, videos and frame folders (sub-folders holding images, not hidden) of
+/// `folder`, sorted by name; [`DatasetError::Empty`] when there is none.
+fn list_sources(folder: &Path) -> Result<Vec<(SourceKind, PathBuf)>, DatasetError> {
+    let mut sources = Vec::new();
+    for path in read_folder(folder)? {
+        if path.is_file() {
+            if has_extension(&path, IMAGE_EXTENSIONS) {
+                sources.push((SourceKind::Image, path));
+            } else if has_extension(&path, VIDEO_EXTENSIONS) {
+                sources.push((SourceKind::Video, path));
+            }
+        } else if path.is_dir()
+            && !path
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            && !frame_files(&path)?.is_empty()
+        {
+            sources.push((SourceKind::FrameFolder, path));
         }
     }
-    if images.is_empty() {
+    if sources.is_empty() {
         return Err(DatasetError::Empty {
             folder: folder.to_path_buf(),
         });
     }
-    images.sort();
-    Ok(images)
+    sources.sort_by(|a, b| a.1.cmp(&b.1));
+    Ok(sources)
+}
+
+/// The image files of a frame folder in frame order: by the last number in their names (files
+/// without one after those with one), then by name.
+fn frame_files(folder: &Path) -> Result<Vec<PathBuf>, DatasetError> {
+    let mut files: Vec<PathBuf> = read_folder(folder)?
+        .into_iter()
+        .filter(|p| has_extension(p, IMAGE_EXTENSIONS) && p.is_file())
+        .collect();
+    let number = |path: &PathBuf| -> Option<u128> {
+        let stem = path.file_stem()?.to_str()?;
+        let end = stem.rfind(|c: char| c.is_ascii_digit())? + 1;
+        let begin = stem[..end]
+            .rfind(|c: char| !c.is_ascii_digit())
+            .map_or(0, |i| i + 1);
+        stem[begin..end].parse().ok()
+    };
+    files.sort_by_cached_key(|p| (number(p).is_none(), number(p), p.clone()));
+    Ok(files)
+}
+
+/// The caption file of a source: same stem with `ext` for files, `<folder>.<ext>` beside a
+/// frame folder.
+fn caption_path(source: &Path, kind: SourceKind, ext: &str) -> PathBuf {
+    match kind {
+        SourceKind::FrameFolder => {
+            let mut path = source.as_os_str().to_owned();
+            path.push(".");
+            path.push(ext);
+            path.into()
+        }
+        _ => source.with_extension(ext),
+    }
 }
 
 #[cfg(test)]
@@ -433,6 +748,9 @@ mod tests {
             repeats,
             caption_dropout: dropout,
             cache_to_disk: false,
+            frames: vec![1],
+            fps: None,
+            extraction: FrameExtraction::Head,
         }
     }
 
@@ -449,7 +767,8 @@ mod tests {
             let area = resolution * resolution;
             assert!(list.contains(&Bucket {
                 width: resolution,
-                height: resolution
+                height: resolution,
+                frames: 1,
             }));
             for b in &list {
                 assert!(b.width % 16 == 0 && b.height % 16 == 0, "{b:?}");
@@ -470,7 +789,8 @@ mod tests {
             bucket_for(1920, 1080, 512),
             Some(Bucket {
                 width: 704,
-                height: 368
+                height: 368,
+                frames: 1,
             })
         );
         assert_eq!(
@@ -481,7 +801,8 @@ mod tests {
             bucket_for(1000, 1000, 512),
             Some(Bucket {
                 width: 512,
-                height: 512
+                height: 512,
+                frames: 1,
             })
         );
     }
@@ -493,7 +814,8 @@ mod tests {
             bucket_for(300, 300, 1024),
             Some(Bucket {
                 width: 288,
-                height: 288
+                height: 288,
+                frames: 1,
             })
         );
         assert_eq!(bucket_for(10, 10, 512), None);
@@ -515,7 +837,11 @@ mod tests {
                 (name, i.caption.as_str(), i.bucket)
             })
             .collect();
-        let b = |width, height| Bucket { width, height };
+        let b = |width, height| Bucket {
+            width,
+            height,
+            frames: 1,
+        };
         let pixels = dataset.items()[2].load_pixels().unwrap();
         assert_eq!(pixels.shape.to_vec(), vec![3, 16, 48]);
         assert!(pixels.to_vec::<f32>().unwrap().iter().all(|&v| v == -1.0));
@@ -531,6 +857,30 @@ mod tests {
     }
 
     #[test]
+    fn a_bucket_serialized_without_frames_is_one_frame() {
+        let bucket: Bucket = serde_json::from_str(r#"{"width":48,"height":16}"#).unwrap();
+        assert_eq!(
+            bucket,
+            Bucket {
+                width: 48,
+                height: 16,
+                frames: 1
+            }
+        );
+    }
+
+    #[test]
+    fn uniform_starts_spread_from_the_first_to_the_last_possible_frame() {
+        let uniform = |samples| FrameExtraction::Uniform { samples };
+        assert_eq!(FrameExtraction::Head.starts(100, 33), [0]);
+        assert_eq!(uniform(1).starts(100, 33), [0]);
+        // np.linspace(0, 67, 4, dtype=int) = [0, 22, 44, 67].
+        assert_eq!(uniform(4).starts(100, 33), [0, 22, 44, 67]);
+        assert_eq!(uniform(3).starts(33, 33), [0]);
+        assert_eq!(uniform(5).starts(10, 8), [0, 1, 2]);
+    }
+
+    #[test]
     fn an_empty_folder_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let err = Dataset::scan(&[plan(dir.path(), vec![512], 1, 0.0)]).unwrap_err();
@@ -541,6 +891,7 @@ mod tests {
         let bucket = |i: usize| Bucket {
             width: 16 * (1 + i % 2),
             height: 16,
+            frames: 1,
         };
         Dataset {
             items: (0..n)
@@ -550,6 +901,11 @@ mod tests {
                     size: (16, 16),
                     bucket: bucket(i),
                     dataset: 0,
+                    clip: Clip {
+                        kind: SourceKind::Image,
+                        start: 0,
+                        fps: None,
+                    },
                 })
                 .collect(),
             settings: vec![(repeats, dropout)],

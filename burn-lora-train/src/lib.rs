@@ -6,7 +6,8 @@
 //! - [`cache`]: the family's image and caption encodings, computed once and cached beside the
 //!   images.
 //! - [`config`]: the YAML file, environment overrides, and the validated [`config::TrainPlan`].
-//! - [`dataset`]: images and captions, aspect-ratio buckets, the seeded epoch order.
+//! - [`dataset`]: images, video clips (through FFmpeg's programs) and captions, aspect-ratio
+//!   buckets, the seeded epoch order.
 //! - [`optim`]: AdamW with f32 or block-wise 8-bit moments, clipping, the learning-rate schedule.
 //! - [`checkpoint`]: the run folder, atomic checkpoints, the newest valid one for resume.
 //! - [`report`]: logs, progress bar, loss CSV and plot, the Ctrl-C flag.
@@ -27,3 +28,4 @@ pub mod optim;
 pub mod report;
 pub mod rng;
 pub mod train;
+mod video;

@@ -18,7 +18,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_lora::{LoraConfig, LoraLinear, LoraMetadata, LoraPlan, SaveOptions};
 use burn_lora_train::checkpoint::{RunDir, StateTensor, TrainingState};
 use burn_lora_train::config::{DatasetPlan, OptimizerKind, SchedulerKind, TimestepSampling};
-use burn_lora_train::dataset::{DataPosition, Dataset};
+use burn_lora_train::dataset::{DataPosition, Dataset, FrameExtraction};
 use burn_lora_train::optim::{AdamW, AdamWConfig, LrSchedule};
 use burn_lora_train::rng::Rng;
 
@@ -182,6 +182,9 @@ fn make_dataset(folder: &Path) -> Dataset {
         repeats: 1,
         caption_dropout: 0.3,
         cache_to_disk: false,
+        frames: vec![1],
+        fps: None,
+        extraction: FrameExtraction::Head,
     }])
     .unwrap()
 }

@@ -16,8 +16,16 @@ use crate::error::LoadError;
 /// # Shapes
 /// - output: `[3, height, width]`, f32
 pub fn load_image(path: &Path, width: usize, height: usize) -> Result<TensorData, LoadError> {
-    let image = decode(path)?;
-    Ok(to_model_range(&fit_to_bucket(&image, width, height)))
+    Ok(fit_image(&decode(path)?, width, height))
+}
+
+/// A decoded RGB image (a video frame, say) as VAE input, exactly as [`load_image`] makes one
+/// from a file: resized to cover `width × height`, center-cropped, mapped to `[-1, 1]`.
+///
+/// # Shapes
+/// - output: `[3, height, width]`, f32
+pub fn fit_image(image: &RgbImage, width: usize, height: usize) -> TensorData {
+    to_model_range(&fit_to_bucket(image, width, height))
 }
 
 /// Decodes an image and applies its EXIF orientation.

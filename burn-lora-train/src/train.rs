@@ -43,7 +43,7 @@ use crate::config::{GradientPlacement, TrainPlan};
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
 use crate::error::gb;
-use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, Sdxl, TrainBackend};
+use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, Sdxl, TrainBackend, Wan};
 use crate::models;
 use crate::optim::{AdamWConfig, LrSchedule, PlacedAdamW};
 use crate::report::{LossLog, LossRow, Progress, StopFlag, plot_loss};
@@ -124,6 +124,10 @@ fn train_probed<B: StreamTarget>(
         }
         Arch::Sdxl => {
             let family = Sdxl::new(plan)?;
+            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+        }
+        Arch::Wan => {
+            let family = Wan::new(plan)?;
             train_family::<_, B>(&family, plan, resume, stop, device, probe)
         }
     }

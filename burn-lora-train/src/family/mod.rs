@@ -14,6 +14,7 @@ mod flow;
 mod flux1;
 mod flux2;
 mod sdxl;
+mod wan;
 
 use std::collections::BTreeMap;
 
@@ -31,7 +32,7 @@ use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 
 use crate::config::{ModelFiles, ModelSource, TrainPlan};
-use crate::dataset::{Dataset, DatasetError};
+use crate::dataset::{Bucket, Dataset, DatasetError, Item};
 use crate::error::TrainError;
 use crate::models::{built_on_host, float_dtype};
 use crate::rng::Rng;
@@ -39,6 +40,7 @@ use crate::rng::Rng;
 pub use flux1::Flux1;
 pub use flux2::Flux2Family;
 pub use sdxl::Sdxl;
+pub use wan::Wan;
 
 /// The backend the denoiser trains on, over the computing backend `B`: frozen weights may
 /// stream from host memory.
@@ -57,6 +59,8 @@ pub enum Arch {
     Flux2,
     /// Stable Diffusion XL (base 1.0 and fine-tunes of its shape): [`Sdxl`].
     Sdxl,
+    /// Wan 2.1 text-to-video (and each expert of Wan 2.2 A14B): [`Wan`].
+    Wan,
 }
 
 /// How a family's denoiser is trained.
@@ -75,6 +79,7 @@ impl Arch {
         ("flux1", Arch::Flux1),
         ("flux2", Arch::Flux2),
         ("sdxl", Arch::Sdxl),
+        ("wan", Arch::Wan),
     ];
 
     /// The name in the configuration.
@@ -83,6 +88,7 @@ impl Arch {
             Arch::Flux1 => "flux1",
             Arch::Flux2 => "flux2",
             Arch::Sdxl => "sdxl",
+            Arch::Wan => "wan",
         }
     }
 
@@ -93,6 +99,7 @@ impl Arch {
             Arch::Flux1 => flux1::COMPONENTS,
             Arch::Flux2 => flux2::COMPONENTS,
             Arch::Sdxl => sdxl::COMPONENTS,
+            Arch::Wan => wan::COMPONENTS,
         }
     }
 
@@ -102,6 +109,7 @@ impl Arch {
             Arch::Flux1 => flux1::RANDOM_SHAPES,
             Arch::Flux2 => flux2::RANDOM_SHAPES,
             Arch::Sdxl => sdxl::RANDOM_SHAPES,
+            Arch::Wan => wan::RANDOM_SHAPES,
         }
     }
 
@@ -111,24 +119,27 @@ impl Arch {
             Arch::Flux1 => flux1::TOKENIZERS,
             Arch::Flux2 => flux2::TOKENIZERS,
             Arch::Sdxl => sdxl::TOKENIZERS,
+            Arch::Wan => wan::TOKENIZERS,
         }
     }
 
     /// The σ sampling a run gets when `train.timestep_type` is not given: FLUX.1 `sigmoid`
     /// (ai-toolkit's default), FLUX.2 its resolution-dependent shift (musubi-tuner's
-    /// `flux2_shift`), SDXL `uniform` (every trainer's default for DDPM timesteps).
+    /// `flux2_shift`), SDXL `uniform` (every trainer's default for DDPM timesteps), Wan `shift`
+    /// (musubi-tuner's recommended `--timestep_sampling shift`, by `train.timestep_shift`).
     pub fn default_timestep_type(self) -> &'static str {
         match self {
             Arch::Flux1 => "sigmoid",
             Arch::Flux2 => "flux2_shift",
             Arch::Sdxl => "uniform",
+            Arch::Wan => "shift",
         }
     }
 
     /// How the denoiser is trained.
     pub fn objective(self) -> Objective {
         match self {
-            Arch::Flux1 | Arch::Flux2 => Objective::Flow,
+            Arch::Flux1 | Arch::Flux2 | Arch::Wan => Objective::Flow,
             Arch::Sdxl => Objective::Ddpm,
         }
     }
@@ -237,27 +248,71 @@ pub fn encode_images_by_bucket<B: Kernels>(
     batch: usize,
     device: &B::Device,
     encoder: &'static str,
-    mut encode: impl FnMut(Tensor<B, 4>) -> Vec<Encoded>,
+    encode: impl FnMut(Tensor<B, 4>) -> Vec<Encoded>,
 ) -> Result<Vec<Encoded>, TrainError> {
-    let mut by_bucket: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
+    encode_by_bucket::<B, 3, 4>(
+        dataset,
+        items,
+        batch,
+        device,
+        encoder,
+        Item::load_pixels,
+        encode,
+    )
+}
+
+/// `encode` applied to the clips of `items` one at a time (each `[1, 3, frames, h, w]` in
+/// `[-1, 1]` on `device`; an image is a one-frame clip), returning its encodings. The encodings
+/// come back in `items` order, each checked to be finite.
+pub fn encode_clips_by_bucket<B: Kernels>(
+    dataset: &Dataset,
+    items: &[usize],
+    device: &B::Device,
+    mut encode: impl FnMut(Tensor<B, 5>) -> Encoded,
+) -> Result<Vec<Encoded>, TrainError> {
+    encode_by_bucket::<B, 4, 5>(
+        dataset,
+        items,
+        1,
+        device,
+        "the VAE",
+        Item::load_clip,
+        |clip| vec![encode(clip)],
+    )
+}
+
+/// `encode` applied to the items `load` gives (`D`-dimensional each, stacked on a new first
+/// axis), batched by bucket, at most `batch` per call; the encodings in `items` order, each
+/// checked to be finite.
+fn encode_by_bucket<B: Kernels, const D: usize, const D2: usize>(
+    dataset: &Dataset,
+    items: &[usize],
+    batch: usize,
+    device: &B::Device,
+    encoder: &'static str,
+    load: impl Fn(&Item) -> Result<TensorData, DatasetError>,
+    mut encode: impl FnMut(Tensor<B, D2>) -> Vec<Encoded>,
+) -> Result<Vec<Encoded>, TrainError> {
+    let mut by_bucket: BTreeMap<Bucket, Vec<usize>> = BTreeMap::new();
     for (position, &i) in items.iter().enumerate() {
-        let bucket = dataset.items()[i].bucket;
         by_bucket
-            .entry((bucket.width, bucket.height))
+            .entry(dataset.items()[i].bucket)
             .or_default()
             .push(position);
     }
     let mut out: Vec<Option<Encoded>> = vec![None; items.len()];
     for positions in by_bucket.into_values() {
         for chunk in positions.chunks(batch) {
-            let pixels = chunk
+            let inputs = chunk
                 .iter()
                 .map(|&p| {
-                    let data = dataset.items()[items[p]].load_pixels()?;
-                    Ok(Tensor::<B, 3>::from_data(data, device))
+                    Ok(Tensor::<B, D>::from_data(
+                        load(&dataset.items()[items[p]])?,
+                        device,
+                    ))
                 })
                 .collect::<Result<Vec<_>, DatasetError>>()?;
-            for (&p, encoded) in chunk.iter().zip(encode(Tensor::stack(pixels, 0))) {
+            for (&p, encoded) in chunk.iter().zip(encode(Tensor::stack(inputs, 0))) {
                 if !encoded.values().all(finite) {
                     return Err(TrainError::NonFiniteEncoding {
                         encoder,
@@ -469,6 +524,7 @@ pub fn lora_names(arch: Arch, source: &ModelSource) -> Result<LayoutNames, Train
         Arch::Flux1 => Ok(Flux1::of(source)?.lora_names()),
         Arch::Flux2 => Ok(Flux2Family::of(source)?.lora_names()),
         Arch::Sdxl => Ok(Sdxl::of(source)?.lora_names()),
+        Arch::Wan => Ok(Wan::of(source)?.lora_names()),
     }
 }
 

@@ -285,8 +285,8 @@ fn a_missing_file_is_an_error_naming_it() {
     assert!(err.to_string().contains("/no/such/train.yaml"), "{err}");
 }
 
-/// The shipped recipes: the benchmark configurations validate as they are; the FLUX.1-dev and
-/// SDXL recipes fail only on the two paths a user fills in (the model and the dataset).
+/// The shipped recipes: the benchmark configurations validate as they are; the FLUX.1-dev,
+/// SDXL and Wan recipes fail only on the two paths a user fills in (the model and the dataset).
 #[test]
 fn the_example_configurations_validate() {
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
@@ -310,9 +310,19 @@ fn the_example_configurations_validate() {
         burn_lora_train::config::ModelSource::Random("sdxl".into())
     );
     assert!(bench.model.tokenizers.ends_with("tiny/sdxl"));
-    let error = load(&examples.join("sdxl/config.yaml"), &[]).unwrap_err();
-    let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
-    assert_eq!(fields, ["model.path", "datasets[0].folder_path"], "{error}");
+    for recipe in [
+        "sdxl/config.yaml",
+        "wan/config.yaml",
+        "wan/config_1.3b.yaml",
+    ] {
+        let error = load(&examples.join(recipe), &[]).unwrap_err();
+        let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            ["model.path", "datasets[0].folder_path"],
+            "{recipe}: {error}"
+        );
+    }
 }
 
 /// A transformer file as `model.path` needs the other components; a built-in model takes none.

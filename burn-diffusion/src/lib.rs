@@ -3,8 +3,8 @@
 //! in plain `nn::Linear` layers (so that LoRA adapters and weight offloading apply without model
 //! changes), loading from BFL single files and diffusers folders (bf16, f32, or FP8 with
 //! scales), one tensor at a time, and block-level gradient checkpointing for training. SDXL's
-//! UNet ([`sdxl`]) loads from diffusers folders the same way, and so does Wan's video
-//! transformer ([`wan`]). The text encoders are FLUX.1's CLIP and T5 ([`clip`], [`t5`]), Wan's
+//! UNet ([`sdxl`]) loads from diffusers folders the same way, and so do Wan's video
+//! transformer and its causal 3-D VAE ([`wan`]). The text encoders are FLUX.1's CLIP and T5 ([`clip`], [`t5`]), Wan's
 //! umT5 ([`t5`]) and FLUX.2's decoders, Mistral Small 3 and Qwen3 ([`text_decoder`]), with their
 //! prompt tokenizers ([`tokenize`]).
 //!

@@ -160,8 +160,8 @@ pub struct NetworkYaml {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelYaml {
-    /// Architecture: `flux1` (FLUX.1 dev / schnell), `flux2` (FLUX.2 dev / klein) or `sdxl`
-    /// (Stable Diffusion XL).
+    /// Architecture: `flux1` (FLUX.1 dev / schnell), `flux2` (FLUX.2 dev / klein), `sdxl`
+    /// (Stable Diffusion XL) or `wan` (Wan 2.1 text-to-video).
     pub arch: String,
     /// A diffusers folder, or the transformer's single file (BFL layout, FP8 included) with the
     /// other components given below, relative to the config file; the word `tiny` builds a

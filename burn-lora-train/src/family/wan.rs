@@ -208,11 +208,8 @@ impl Family for Wan {
         texts: &[&str],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let length = match plan.model.source {
-            ModelSource::Tiny => TINY_TOKENS,
-            _ => TEXT_TOKENS,
-        };
-        let tokenizer = CaptionTokenizer::t5(&plan.model.tokenizers.join("tokenizer"), length)?;
+        let tokenizer =
+            CaptionTokenizer::t5(&plan.model.tokenizers.join("tokenizer"), text_tokens(plan))?;
         let stream = encoder_stream::<B>(plan, device)?;
         let umt5 = Self::text_encoder::<B>(plan, device, stream.as_ref())?;
         let states = streamed(stream.as_ref(), "umT5", || {
@@ -286,10 +283,7 @@ impl Family for Wan {
         );
 
         let dtype = plan.model.dtype;
-        let text_length = match plan.model.source {
-            ModelSource::Tiny => TINY_TOKENS,
-            _ => TEXT_TOKENS,
-        };
+        let text_length = text_tokens(plan);
         let states = batch
             .iter()
             .map(|s| padded_states::<B>(&s.caption[STATES], text_length, device))
@@ -308,6 +302,14 @@ impl Family for Wan {
             tape,
             transformer,
         )
+    }
+}
+
+/// The caption length: umT5's 512, or the tiny model's.
+fn text_tokens(plan: &TrainPlan) -> usize {
+    match plan.model.source {
+        ModelSource::Tiny => TINY_TOKENS,
+        _ => TEXT_TOKENS,
     }
 }
 

@@ -1,7 +1,8 @@
-//! Wan 2.1's video VAE against diffusers' `AutoencoderKLWan`: a fixture made by
-//! `tests/fixtures/make_wan_vae_fixtures.py` from a tiny random VAE of Wan 2.1's structure (time
+//! Wan's video VAE against diffusers' `AutoencoderKLWan`: fixtures made by
+//! `tests/fixtures/make_wan_vae_fixtures.py` from tiny random VAEs of Wan 2.1's structure (time
 //! halved twice, so that chunks and caches are exercised), as a diffusers folder and as a single
-//! file under Wan's original names.
+//! file under Wan's original names, and of Wan 2.2's (residual levels, 2×2 patches, a decoder
+//! of its own width), as a diffusers folder.
 
 use std::path::{Path, PathBuf};
 
@@ -120,4 +121,61 @@ fn the_preset_is_wan_2_1s() {
     assert_eq!((config.base_dim, config.z_dim), (96, 16));
     assert_eq!(config.latents_mean.len(), 16);
     assert_eq!(config.latents_std.len(), 16);
+}
+
+#[test]
+fn the_preset_is_wan_2_2s() {
+    let config = WanVaeConfig::wan22();
+    assert_eq!((config.base_dim, config.decoder_base_dim), (160, Some(256)));
+    assert_eq!((config.z_dim, config.spatial_compression()), (48, 16));
+    assert_eq!(config.latents_mean.len(), 48);
+    assert_eq!(config.latents_std.len(), 48);
+    assert_eq!(WanVaeConfig::wan21().spatial_compression(), 8);
+}
+
+/// Wan2.2-TI2V-5B-Diffusers' `vae/config.json`, as diffusers writes it from its converter's
+/// values, is the preset.
+#[test]
+fn the_ti2v_5b_config_reads_as_the_wan_2_2_preset() {
+    let file = common::fixture("wan_vae22/ti2v_5b/config.json");
+    assert_eq!(
+        WanVaeConfig::from_json(&file).unwrap(),
+        WanVaeConfig::wan22()
+    );
+}
+
+fn io22() -> PathBuf {
+    common::fixture("wan_vae22/io.safetensors")
+}
+
+fn folder_vae22() -> WanVae<B> {
+    let folder = common::fixture("wan_vae22");
+    WanVae::load(&folder, &Default::default(), FloatDType::F32).unwrap()
+}
+
+#[test]
+fn wan_2_2s_folder_encodes_as_diffusers() {
+    let vae = folder_vae22();
+    let io = io22();
+    let mean = vae.encode(tensor(&io, "video"));
+    assert_eq!(mean.dims(), [1, 8, 2, 2, 3]);
+    assert_within(mean.into_data(), &io, "mean", F32_TOLERANCE);
+    let latents = vae.encode_latents(tensor(&io, "video"));
+    assert_within(latents.into_data(), &io, "latents", F32_TOLERANCE);
+}
+
+#[test]
+fn wan_2_2s_folder_decodes_as_diffusers() {
+    let vae = folder_vae22();
+    let io = io22();
+    let decoded = vae.decode_latents(tensor(&io, "latents"));
+    assert_eq!(decoded.dims(), [1, 3, 5, 32, 48]);
+    assert_within(decoded.into_data(), &io, "decoded", F32_TOLERANCE);
+}
+
+#[test]
+#[should_panic(expected = "this Wan VAE encodes heights and widths divisible by 16, got 32×40")]
+fn wan_2_2_refuses_a_clip_its_shortcuts_cannot_fold() {
+    let video = Tensor::<B, 5>::zeros([1, 3, 1, 32, 40], &Default::default());
+    folder_vae22().encode(video);
 }

@@ -190,14 +190,18 @@ fn rope_max_seq_len() -> usize {
     1024
 }
 
-/// The shape of Wan 2.1's causal video VAE (diffusers' `AutoencoderKLWan` without Wan 2.2's
-/// residual blocks and patches): RGB clips to `z_dim` latent channels, 8× smaller in space and
-/// 4× in time, and the statistics that normalize those latents. Field names follow diffusers'
-/// config, `temperal_downsample` spelling included.
+/// The shape of Wan's causal video VAE (diffusers' `AutoencoderKLWan`): Wan 2.1's, and Wan 2.2
+/// TI2V-5B's with residual levels and pixels folded into channels in 2×2 patches. RGB clips go
+/// to `z_dim` latent channels, [`spatial_compression`](Self::spatial_compression)× smaller in
+/// space and 4× in time, with the statistics that normalize those latents. Field names follow
+/// diffusers' config, `temperal_downsample` spelling included.
 #[derive(Config, Debug, PartialEq)]
 pub struct WanVaeConfig {
-    /// Channels of the encoder's and decoder's finest level.
+    /// Channels of the encoder's finest level (and of the decoder's without
+    /// `decoder_base_dim`).
     pub base_dim: usize,
+    /// Channels of the decoder's finest level, when they differ from `base_dim` (Wan 2.2).
+    pub decoder_base_dim: Option<usize>,
     /// Latent channels.
     pub z_dim: usize,
     /// Each level's channels, as multiples of `base_dim`, finest first.
@@ -207,6 +211,13 @@ pub struct WanVaeConfig {
     /// For each step down between levels, whether it halves time as well as space (the
     /// decoder doubles time where the encoder halves it).
     pub temperal_downsample: Vec<bool>,
+    /// Whether each level is one residual block around its blocks and resample, with a
+    /// parameter-free shortcut that averages (encoder) or duplicates (decoder) channels into
+    /// the resampled shape (Wan 2.2).
+    pub is_residual: bool,
+    /// Side of the pixel squares folded into channels before the encoder and unfolded after
+    /// the decoder (Wan 2.2's 2); none folded without it.
+    pub patch_size: Option<usize>,
     /// Per-channel mean of the latents, subtracted before the transformer sees them.
     pub latents_mean: Vec<f64>,
     /// Per-channel standard deviation of the latents, divided out after the mean.
@@ -218,10 +229,13 @@ impl WanVaeConfig {
     pub fn wan21() -> Self {
         Self {
             base_dim: 96,
+            decoder_base_dim: None,
             z_dim: 16,
             dim_mult: vec![1, 2, 4, 4],
             num_res_blocks: 2,
             temperal_downsample: vec![false, true, true],
+            is_residual: false,
+            patch_size: None,
             latents_mean: vec![
                 -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134,
                 -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
@@ -233,47 +247,88 @@ impl WanVaeConfig {
         }
     }
 
-    /// Reads diffusers' `vae/config.json` of an `AutoencoderKLWan`; refuses Wan 2.2's form
-    /// (residual blocks, patches, a decoder of another width), attention between the
-    /// encoder's blocks, and channels other than RGB.
+    /// Wan 2.2 TI2V-5B's VAE: 48 latent channels, 16× smaller in space.
+    pub fn wan22() -> Self {
+        Self {
+            base_dim: 160,
+            decoder_base_dim: Some(256),
+            z_dim: 48,
+            dim_mult: vec![1, 2, 4, 4],
+            num_res_blocks: 2,
+            temperal_downsample: vec![false, true, true],
+            is_residual: true,
+            patch_size: Some(2),
+            latents_mean: vec![
+                -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382,
+                0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207,
+                -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322, 0.1109,
+                0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+                -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573,
+                -0.0548, -0.1681, -0.0667,
+            ],
+            latents_std: vec![
+                0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344,
+                0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804,
+                0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999,
+                0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+                0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+            ],
+        }
+    }
+
+    /// Side of the pixel squares folded into channels: `patch_size`, or 1 without it.
+    pub(super) fn patch(&self) -> usize {
+        self.patch_size.unwrap_or(1)
+    }
+
+    /// How many times smaller than the clip a latent frame is in height and width: the patch
+    /// side times 2 per step down between levels (8 for Wan 2.1, 16 for Wan 2.2).
+    pub fn spatial_compression(&self) -> usize {
+        self.patch() << self.temperal_downsample.len()
+    }
+
+    /// Channels of the decoder's finest level: `decoder_base_dim`, or `base_dim` without it.
+    pub(super) fn decoder_dim(&self) -> usize {
+        self.decoder_base_dim.unwrap_or(self.base_dim)
+    }
+
+    /// Reads diffusers' `vae/config.json` of an `AutoencoderKLWan`, Wan 2.1's or Wan 2.2's;
+    /// refuses attention between the encoder's blocks and channels other than RGB (folded
+    /// into patches where `patch_size` says).
     pub fn from_json(file: &Path) -> Result<Self, LoadError> {
         let raw: DiffusersWanVaeConfig = read_json(file)?;
         let refuse = |message: String| LoadError::Config {
             file: file.to_path_buf(),
             message,
         };
-        if raw.is_residual || raw.patch_size.is_some() {
-            return Err(refuse(
-                "Wan 2.2's VAE (is_residual, patch_size) is not supported".into(),
-            ));
-        }
-        if raw.decoder_base_dim.is_some_and(|dim| dim != raw.base_dim) {
-            return Err(refuse(format!(
-                "decoder_base_dim {:?} differs from base_dim {}",
-                raw.decoder_base_dim, raw.base_dim
-            )));
-        }
         if !raw.attn_scales.is_empty() {
             return Err(refuse(format!(
                 "attn_scales {:?} are not supported (none)",
                 raw.attn_scales
             )));
         }
-        if (raw.in_channels, raw.out_channels) != (3, 3) {
-            return Err(refuse(format!(
-                "{} channels in and {} out are not supported (RGB)",
-                raw.in_channels, raw.out_channels
-            )));
+        if raw.patch_size == Some(0) {
+            return Err(refuse("patch_size 0 is not a patch".into()));
         }
         let config = Self {
             base_dim: raw.base_dim,
+            decoder_base_dim: raw.decoder_base_dim,
             z_dim: raw.z_dim,
             dim_mult: raw.dim_mult,
             num_res_blocks: raw.num_res_blocks,
             temperal_downsample: raw.temperal_downsample,
+            is_residual: raw.is_residual,
+            patch_size: raw.patch_size,
             latents_mean: raw.latents_mean,
             latents_std: raw.latents_std,
         };
+        let rgb = 3 * config.patch() * config.patch();
+        if (raw.in_channels, raw.out_channels) != (rgb, rgb) {
+            return Err(refuse(format!(
+                "{} channels in and {} out are not supported (RGB: {rgb} with patch_size {:?})",
+                raw.in_channels, raw.out_channels, config.patch_size
+            )));
+        }
         if config.temperal_downsample.len() + 1 != config.dim_mult.len() {
             return Err(refuse(format!(
                 "temperal_downsample {:?} needs one entry per step between the levels {:?}",

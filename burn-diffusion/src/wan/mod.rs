@@ -1,5 +1,5 @@
-//! Wan 2.1 / 2.2's video transformer (diffusers' `WanTransformer3DModel`) and Wan 2.1's causal
-//! video VAE (diffusers' `AutoencoderKLWan`): configuration, models and loading.
+//! Wan 2.1 / 2.2's video transformer (diffusers' `WanTransformer3DModel`) and causal video VAE
+//! (diffusers' `AutoencoderKLWan`): configuration, models and loading.
 
 mod config;
 mod keys;
@@ -19,7 +19,8 @@ pub use model::{
 };
 pub use run::forward_file;
 pub use vae::{
-    FrameCache, ResampleMode, Resize, WanAttentionBlock, WanCausalConv3d, WanConv2d, WanDecoder3d,
-    WanDownLayer, WanEncoder3d, WanMidBlock, WanResample, WanResidualBlock, WanRmsNorm, WanUpBlock,
+    AvgDown3d, DupUp3d, FrameCache, ResampleMode, Resize, WanAttentionBlock, WanCausalConv3d,
+    WanConv2d, WanDecoder3d, WanDownLayer, WanEncoder3d, WanMidBlock, WanResample,
+    WanResidualBlock, WanResidualDownBlock, WanResidualUpBlock, WanRmsNorm, WanUpBlock, WanUpLayer,
     WanVae,
 };

@@ -1,6 +1,11 @@
-//! Wan 2.1's causal video VAE, block by block as diffusers writes it: an encoder of causal 3-D
-//! convolutions from RGB clips to a diagonal Gaussian over latents (8× smaller in space, 4× in
-//! time, the first frame alone), and a decoder back.
+//! Wan's causal video VAE, block by block as diffusers writes it: an encoder of causal 3-D
+//! convolutions from RGB clips to a diagonal Gaussian over latents (8× smaller in space for
+//! Wan 2.1, 16× for Wan 2.2, 4× in time, the first frame alone), and a decoder back.
+//!
+//! Wan 2.2's variant (TI2V-5B) folds each 2×2 square of pixels into channels before the encoder
+//! and unfolds them after the decoder, and makes each level one residual block: its blocks and
+//! resample, plus a parameter-free shortcut that averages the level's input into the
+//! downsampled shape ([`AvgDown3d`]) or duplicates it into the upsampled one ([`DupUp3d`]).
 //!
 //! Clips go through chunk by chunk, as the reference runs them: the encoder takes the first
 //! frame, then 4 frames at a time; the decoder takes one latent frame at a time. Each causal
@@ -11,7 +16,7 @@
 //! it has one) on frames folded into the batch. Inside, activations are frame-major
 //! (`[batch, frames, channels, height, width]`), so that folding frames is a reshape.
 
-// ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/autoencoder_kl_wan.py (WanCausalConv3d, WanRMS_norm, WanUpsample, WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanEncoder3d, WanUpBlock, WanDecoder3d, AutoencoderKLWan)
+// ref: huggingface/diffusers@v0.42.1 src/diffusers/models/autoencoders/autoencoder_kl_wan.py (AvgDown3D, DupUp3D, WanCausalConv3d, WanRMS_norm, WanUpsample, WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanResidualDownBlock, WanEncoder3d, WanResidualUpBlock, WanUpBlock, WanDecoder3d, patchify, unpatchify, AutoencoderKLWan)
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/wan/pipeline_wan.py (latents_mean, latents_std)
 
 use std::path::Path;
@@ -37,11 +42,12 @@ const CHUNK_FRAMES: usize = 4;
 /// The smallest norm [`WanRmsNorm`] divides by (PyTorch's `F.normalize`).
 const NORM_EPS: f64 = 1e-12;
 
-/// Wan 2.1's video VAE (diffusers' `AutoencoderKLWan`): RGB clips of `4k + 1` frames in
-/// `[-1, 1]` to latents of `k + 1` frames, 8× smaller in space, and back.
+/// Wan's video VAE (diffusers' `AutoencoderKLWan`, Wan 2.1's or Wan 2.2's): RGB clips of
+/// `4k + 1` frames in `[-1, 1]` to latents of `k + 1` frames,
+/// [`spatial_compression`](WanVaeConfig::spatial_compression)× smaller in space, and back.
 ///
-/// Fields follow diffusers' keys, so a diffusers `vae` folder loads without renaming; Wan's
-/// original layout is renamed by [`vae_diffusers_name`]. Its convolutions take the backend's
+/// Fields follow diffusers' keys, so a diffusers `vae` folder loads without renaming; Wan
+/// 2.1's original layout is renamed by [`vae_diffusers_name`]. Its convolutions take the backend's
 /// own tensors ([`FusedOps`]): it runs without autodiff (under `Autodiff<B>`, on `B`).
 #[derive(Module, Debug)]
 pub struct WanVae<B: Backend> {
@@ -59,6 +65,11 @@ pub struct WanVae<B: Backend> {
 impl WanVaeConfig {
     /// A VAE of this shape with Burn's default initialization (the norms' scales at one),
     /// created lazily, on first use, in the device's default float dtype.
+    ///
+    /// # Panics
+    /// With residual levels whose shortcut cannot split the pixels one resample merges or
+    /// splits evenly into channels, as diffusers refuses them (never with `dim_mult`
+    /// `[1, 2, 4, 4]`).
     pub fn init<B: FusedOps>(&self, device: &B::Device) -> WanVae<B> {
         let z = self.z_dim;
         WanVae {
@@ -73,8 +84,8 @@ impl WanVaeConfig {
 
 impl<B: FusedOps> WanVae<B> {
     /// Loads diffusers' layout, a pipeline folder with `vae/` or the `vae` folder itself
-    /// (`config.json` and `diffusion_pytorch_model.safetensors`), or a single file in Wan's
-    /// original layout (`Wan2.1_VAE.pth` as safetensors, ComfyUI's `wan_2.1_vae.safetensors`)
+    /// (`config.json`, Wan 2.1's or Wan 2.2's, and `diffusion_pytorch_model.safetensors`), or a
+    /// single file in Wan 2.1's original layout (`Wan2.1_VAE.pth` as safetensors, ComfyUI's `wan_2.1_vae.safetensors`)
     /// as Wan 2.1's VAE ([`WanVaeConfig::wan21`]). The weights go to `device` in `dtype`, the
     /// dtype the VAE then computes in.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
@@ -94,8 +105,9 @@ impl<B: FusedOps> WanVae<B> {
         tensors.load(config.init(device), checkpoint_name, device, dtype, None)
     }
 
-    /// Loads a single file in Wan's original layout (or under diffusers' names) as a VAE of
-    /// shape `config`; every missing, unused or mis-shaped tensor is reported at once.
+    /// Loads a single file in Wan 2.1's original layout (or under diffusers' names, which Wan
+    /// 2.2's VAE needs) as a VAE of shape `config`; every missing, unused or mis-shaped tensor
+    /// is reported at once.
     pub fn load_original(
         file: &Path,
         config: WanVaeConfig,
@@ -119,17 +131,31 @@ impl<B: FusedOps> WanVae<B> {
     ///
     /// # Shapes
     /// - `video`: `[batch, 3, frames, height, width]`; output:
-    ///   `[batch, z_dim, 1 + (frames - 1) / 4, height / 8, width / 8]`
+    ///   `[batch, z_dim, 1 + (frames - 1) / 4, height / s, width / s]`, `s` the
+    ///   [`spatial_compression`](WanVaeConfig::spatial_compression)
     ///
     /// # Panics
-    /// When `frames` is not `4k + 1` (an image is a clip of one frame).
+    /// When `frames` is not `4k + 1` (an image is a clip of one frame), or the height or width
+    /// is not a multiple of the patch side (of `s` with residual levels, whose shortcuts fold
+    /// whole 2×2 squares of every level into channels).
     pub fn encode(&self, video: Tensor<B, 5>) -> Tensor<B, 5> {
-        let frames = video.dims()[2];
+        let [_, _, frames, height, width] = video.dims();
         assert!(
             frames % CHUNK_FRAMES == 1,
             "Wan's VAE encodes 4k + 1 frames, got {frames}"
         );
-        let x = video.cast(self.dtype()).swap_dims(1, 2);
+        let multiple = match self.config.is_residual {
+            true => self.config.spatial_compression(),
+            false => self.config.patch(),
+        };
+        assert!(
+            height.is_multiple_of(multiple) && width.is_multiple_of(multiple),
+            "this Wan VAE encodes heights and widths divisible by {multiple}, got {height}×{width}"
+        );
+        let x = patchify(
+            video.cast(self.dtype()).swap_dims(1, 2),
+            self.config.patch(),
+        );
         let mut cache = FrameCache::default();
         let chunks = (0..1 + frames / CHUNK_FRAMES)
             .map(|i| {
@@ -182,7 +208,8 @@ impl<B: FusedOps> WanVae<B> {
     ///
     /// # Shapes
     /// - `z`: `[batch, z_dim, frames, height, width]`; output:
-    ///   `[batch, 3, 4 · (frames - 1) + 1, 8 · height, 8 · width]`
+    ///   `[batch, 3, 4 · (frames - 1) + 1, s · height, s · width]`, `s` the
+    ///   [`spatial_compression`](WanVaeConfig::spatial_compression)
     pub fn decode(&self, z: Tensor<B, 5>) -> Tensor<B, 5> {
         let frames = z.dims()[2];
         let x = self
@@ -196,7 +223,9 @@ impl<B: FusedOps> WanVae<B> {
                     .forward(x.clone().narrow(1, i, 1), &mut cache, i == 0)
             })
             .collect();
-        Tensor::cat(clips, 1).clamp(-1.0, 1.0).swap_dims(1, 2)
+        unpatchify(Tensor::cat(clips, 1), self.config.patch())
+            .clamp(-1.0, 1.0)
+            .swap_dims(1, 2)
     }
 
     /// The clip of the transformer's latents: [`denormalize`](Self::denormalize), then
@@ -231,7 +260,7 @@ impl<B: FusedOps> WanVae<B> {
 }
 
 /// The checkpoint name of a parameter's module path: the path without the variants of
-/// [`WanDownLayer`] (capitalized; the checkpoints' names are lower-case).
+/// [`WanDownLayer`] and [`WanUpLayer`] (capitalized; the checkpoints' names are lower-case).
 fn checkpoint_name(path: &str) -> String {
     path.split('.')
         .filter(|segment| !segment.starts_with(|c: char| c.is_ascii_uppercase()))
@@ -289,6 +318,40 @@ fn conv2d<B: FusedOps>(
         &KernelOptions::current(),
     );
     Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// Each `patch`×`patch` square of pixels folded into channels in diffusers' order (its
+/// `patchify`): channel `c · patch² + j · patch + i` holds the pixel of column `j` and row `i`
+/// of each square of channel `c`; `x` itself when `patch` is 1.
+///
+/// # Shapes
+/// - `x`: `[batch, frames, channels, height, width]`; output: `[batch, frames, channels ·
+///   patch², height / patch, width / patch]`
+fn patchify<B: Backend>(x: Tensor<B, 5>, patch: usize) -> Tensor<B, 5> {
+    if patch == 1 {
+        return x;
+    }
+    let [b, t, c, h, w] = x.dims();
+    let (h, w) = (h / patch, w / patch);
+    x.reshape([b * t, c, h, patch, w, patch])
+        .permute([0, 1, 5, 3, 2, 4])
+        .reshape([b, t, c * patch * patch, h, w])
+}
+
+/// The inverse of [`patchify`] (diffusers' `unpatchify`).
+///
+/// # Shapes
+/// - `x`: `[batch, frames, channels · patch², height, width]`; output: `[batch, frames,
+///   channels, height · patch, width · patch]`
+fn unpatchify<B: Backend>(x: Tensor<B, 5>, patch: usize) -> Tensor<B, 5> {
+    if patch == 1 {
+        return x;
+    }
+    let [b, t, c, h, w] = x.dims();
+    let c = c / (patch * patch);
+    x.reshape([b * t, c, patch, patch, h, w])
+        .permute([0, 1, 4, 3, 5, 2])
+        .reshape([b, t, c, h * patch, w * patch])
 }
 
 /// A 3-D convolution, causal in time: `2 · padding[0]` frames before the input, from the
@@ -544,6 +607,27 @@ impl<B: FusedOps> WanResidualBlock<B> {
     }
 }
 
+/// `count` residual blocks from `input` channels to `output`, the first changing the width.
+fn residual_blocks<B: FusedOps>(
+    input: usize,
+    output: usize,
+    count: usize,
+    device: &B::Device,
+) -> Vec<WanResidualBlock<B>> {
+    (0..count)
+        .map(|i| WanResidualBlock::new(if i == 0 { input } else { output }, output, device))
+        .collect()
+}
+
+/// `x` through `blocks` in order.
+fn chain<B: FusedOps>(
+    blocks: &[WanResidualBlock<B>],
+    x: Tensor<B, 5>,
+    cache: &mut FrameCache<B>,
+) -> Tensor<B, 5> {
+    blocks.iter().fold(x, |x, block| block.forward(x, cache))
+}
+
 /// Single-head self-attention over the pixels of each frame, with its own norm and a residual
 /// connection (diffusers' `WanAttentionBlock`).
 #[derive(Module, Debug)]
@@ -617,7 +701,8 @@ impl<B: FusedOps> WanMidBlock<B> {
 /// What a resample does in space, and whether it also resamples time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ResampleMode {
-    /// Nearest-neighbour 2× upsampling, then a 3×3 convolution halving the channels.
+    /// Nearest-neighbour 2× upsampling, then a 3×3 convolution (halving the channels in
+    /// Wan 2.1's decoder).
     Upsample2d,
     /// [`Upsample2d`](Self::Upsample2d) after doubling the frames (from the second chunk on).
     Upsample3d,
@@ -649,10 +734,17 @@ pub struct WanResample<B: Backend> {
 }
 
 impl<B: FusedOps> WanResample<B> {
-    fn new(width: usize, mode: ResampleMode, device: &B::Device) -> Self {
+    /// A resample of `width` channels; an upsampler's spatial convolution gives
+    /// `upsample_out` channels, half the width without it.
+    fn new(
+        width: usize,
+        mode: ResampleMode,
+        upsample_out: Option<usize>,
+        device: &B::Device,
+    ) -> Self {
         let (conv, time_conv) = match mode {
             ResampleMode::Upsample2d | ResampleMode::Upsample3d => (
-                WanConv2d::new(width, width / 2, 3, 1, 1, device),
+                WanConv2d::new(width, upsample_out.unwrap_or(width / 2), 3, 1, 1, device),
                 (mode == ResampleMode::Upsample3d).then(|| {
                     WanCausalConv3d::new(width, 2 * width, [3, 1, 1], 1, [1, 0, 0], device)
                 }),
@@ -720,25 +812,188 @@ impl<B: FusedOps> WanResample<B> {
     }
 }
 
+/// The shortcut of Wan 2.2's encoder levels: each `factor_t`-frame, `factor_s`×`factor_s`-pixel
+/// block folded into channels (zero frames first where the frames do not divide), then the
+/// mean of each consecutive group of those channels, one group per output channel (diffusers'
+/// `AvgDown3D`). It holds no weights.
+#[derive(Module, Clone, Debug)]
+pub struct AvgDown3d {
+    /// Frames merged.
+    pub factor_t: usize,
+    /// Pixels merged along each side.
+    pub factor_s: usize,
+    /// Channels out.
+    pub out_channels: usize,
+    /// Folded channels averaged into each output channel.
+    pub group_size: usize,
+}
+
+impl AvgDown3d {
+    /// The shortcut from `input` channels to `output`.
+    ///
+    /// # Panics
+    /// When `output` does not divide the folded channels.
+    fn new(input: usize, output: usize, factor_t: usize, factor_s: usize) -> Self {
+        let folded = input * factor_t * factor_s * factor_s;
+        assert!(
+            folded.is_multiple_of(output),
+            "{input} channels times the downsampling factor do not divide into {output}"
+        );
+        Self {
+            factor_t,
+            factor_s,
+            out_channels: output,
+            group_size: folded / output,
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, ⌈frames / factor_t⌉,
+    ///   out, height / factor_s, width / factor_s]`
+    pub fn forward<B: Backend>(&self, x: Tensor<B, 5>) -> Tensor<B, 5> {
+        let (ft, fs) = (self.factor_t, self.factor_s);
+        let [b, t, c, h, w] = x.dims();
+        let x = match (ft - t % ft) % ft {
+            0 => x,
+            missing => {
+                let zeros = Tensor::zeros([b, missing, c, h, w], (&x.device(), x.dtype()));
+                Tensor::cat(vec![zeros, x], 1)
+            }
+        };
+        let (t, h, w) = (x.dims()[1] / ft, h / fs, w / fs);
+        x.reshape([b * t, ft, c, h, fs, w, fs])
+            .permute([0, 2, 1, 4, 6, 3, 5])
+            .reshape([b * t, self.out_channels, self.group_size, h, w])
+            .mean_dim(2)
+            .reshape([b, t, self.out_channels, h, w])
+    }
+}
+
+/// The shortcut of Wan 2.2's decoder levels: each channel repeated, and the repeats unfolded
+/// into `factor_t` frames and `factor_s`×`factor_s` pixels, the inverse arrangement of
+/// [`AvgDown3d`] (diffusers' `DupUp3D`). It holds no weights.
+#[derive(Module, Clone, Debug)]
+pub struct DupUp3d {
+    /// Frames each frame becomes.
+    pub factor_t: usize,
+    /// Pixels each pixel becomes along each side.
+    pub factor_s: usize,
+    /// Channels out.
+    pub out_channels: usize,
+    /// Copies of each input channel.
+    pub repeats: usize,
+}
+
+impl DupUp3d {
+    /// The shortcut from `input` channels to `output`.
+    ///
+    /// # Panics
+    /// When `input` does not divide the unfolded channels.
+    fn new(input: usize, output: usize, factor_t: usize, factor_s: usize) -> Self {
+        let unfolded = output * factor_t * factor_s * factor_s;
+        assert!(
+            unfolded.is_multiple_of(input),
+            "{output} channels times the upsampling factor do not divide by {input}"
+        );
+        Self {
+            factor_t,
+            factor_s,
+            out_channels: output,
+            repeats: unfolded / input,
+        }
+    }
+
+    /// `first_chunk` says whether `x` is the clip's first chunk, of which only the last of the
+    /// `factor_t` frames is kept (as the upsampler keeps one frame there).
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, factor_t · frames, out,
+    ///   factor_s · height, factor_s · width]`, `factor_t - 1` frames fewer for the first chunk
+    pub fn forward<B: Backend>(&self, x: Tensor<B, 5>, first_chunk: bool) -> Tensor<B, 5> {
+        let (ft, fs) = (self.factor_t, self.factor_s);
+        let [b, t, c, h, w] = x.dims();
+        let y = x
+            .reshape([b * t, c, 1, h, w])
+            .repeat_dim(2, self.repeats)
+            .reshape([b * t, self.out_channels, ft, fs, fs, h, w])
+            .permute([0, 2, 1, 5, 3, 6, 4])
+            .reshape([b, t * ft, self.out_channels, h * fs, w * fs]);
+        match first_chunk {
+            true => y.narrow(1, ft - 1, t * ft - (ft - 1)),
+            false => y,
+        }
+    }
+}
+
 /// A layer of the encoder's `down_blocks` sequence.
 // Built once per model and held in a `Vec`: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum WanDownLayer<B: Backend> {
-    /// A residual block.
+    /// A residual block (Wan 2.1).
     Residual(WanResidualBlock<B>),
-    /// The downsampler after a level's residual blocks.
+    /// The downsampler after a level's residual blocks (Wan 2.1).
     Resample(WanResample<B>),
+    /// A whole level (Wan 2.2).
+    Level(WanResidualDownBlock<B>),
+}
+
+/// A level of Wan 2.2's encoder: residual blocks and a downsampler (none at the coarsest
+/// level), plus the level's input averaged into their output's shape (diffusers'
+/// `WanResidualDownBlock`).
+#[derive(Module, Debug)]
+pub struct WanResidualDownBlock<B: Backend> {
+    /// The shortcut.
+    pub avg_shortcut: AvgDown3d,
+    /// The residual blocks.
+    pub resnets: Vec<WanResidualBlock<B>>,
+    /// The downsampler (none at the coarsest level).
+    pub downsampler: Option<WanResample<B>>,
+}
+
+impl<B: FusedOps> WanResidualDownBlock<B> {
+    fn new(
+        input: usize,
+        output: usize,
+        blocks: usize,
+        downsample: Option<ResampleMode>,
+        device: &B::Device,
+    ) -> Self {
+        let factor_t = match downsample {
+            Some(ResampleMode::Downsample3d) => 2,
+            _ => 1,
+        };
+        let factor_s = if downsample.is_some() { 2 } else { 1 };
+        Self {
+            avg_shortcut: AvgDown3d::new(input, output, factor_t, factor_s),
+            resnets: residual_blocks(input, output, blocks, device),
+            downsampler: downsample.map(|mode| WanResample::new(output, mode, None, device)),
+        }
+    }
+
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames', out, height',
+    ///   width']`
+    pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
+        let shortcut = self.avg_shortcut.forward(x.clone());
+        let x = chain(&self.resnets, x, cache);
+        let x = match &self.downsampler {
+            Some(downsampler) => downsampler.forward(x, cache, false),
+            None => x,
+        };
+        x + shortcut
+    }
 }
 
 /// Clip to latent moments: a causal convolution in, per level residual blocks and a
-/// downsampler (space, and time where configured), the middle block, and a norm and causal
-/// convolution out (diffusers' `WanEncoder3d`).
+/// downsampler (space, and time where configured; Wan 2.2 wraps each level in a residual
+/// block), the middle block, and a norm and causal convolution out (diffusers'
+/// `WanEncoder3d`).
 #[derive(Module, Debug)]
 pub struct WanEncoder3d<B: Backend> {
-    /// RGB to the first level's channels.
+    /// RGB (its patches' channels in Wan 2.2) to the first level's channels.
     pub conv_in: WanCausalConv3d<B>,
-    /// The levels' residual blocks and downsamplers, in order.
+    /// The levels' residual blocks and downsamplers, in order (Wan 2.2: the levels).
     pub down_blocks: Vec<WanDownLayer<B>>,
     /// The middle block.
     pub mid_block: WanMidBlock<B>,
@@ -758,25 +1013,29 @@ impl<B: FusedOps> WanEncoder3d<B> {
         let levels = config.dim_mult.len();
         let mut down_blocks = Vec::new();
         for (level, pair) in dims.windows(2).enumerate() {
-            let (mut input, output) = (pair[0], pair[1]);
-            for _ in 0..config.num_res_blocks {
-                let block = WanResidualBlock::new(input, output, device);
-                down_blocks.push(WanDownLayer::Residual(block));
-                input = output;
-            }
-            if level + 1 < levels {
-                let mode = match config.temperal_downsample[level] {
+            let (input, output) = (pair[0], pair[1]);
+            let downsample =
+                (level + 1 < levels).then(|| match config.temperal_downsample[level] {
                     true => ResampleMode::Downsample3d,
                     false => ResampleMode::Downsample2d,
-                };
-                down_blocks.push(WanDownLayer::Resample(WanResample::new(
-                    output, mode, device,
-                )));
+                });
+            let blocks = config.num_res_blocks;
+            if config.is_residual {
+                let level = WanResidualDownBlock::new(input, output, blocks, downsample, device);
+                down_blocks.push(WanDownLayer::Level(level));
+                continue;
+            }
+            let resnets = residual_blocks(input, output, blocks, device);
+            down_blocks.extend(resnets.into_iter().map(WanDownLayer::Residual));
+            if let Some(mode) = downsample {
+                let resample = WanResample::new(output, mode, None, device);
+                down_blocks.push(WanDownLayer::Resample(resample));
             }
         }
         let width = dims[levels];
+        let rgb = 3 * config.patch() * config.patch();
         Self {
-            conv_in: WanCausalConv3d::new(3, dims[0], [3; 3], 1, [1; 3], device),
+            conv_in: WanCausalConv3d::new(rgb, dims[0], [3; 3], 1, [1; 3], device),
             down_blocks,
             mid_block: WanMidBlock::new(width, device),
             norm_out: WanRmsNorm::new(width, device),
@@ -787,14 +1046,15 @@ impl<B: FusedOps> WanEncoder3d<B> {
     /// One chunk of the clip, after the chunks `cache` has seen.
     ///
     /// # Shapes
-    /// - `x`: `[batch, frames, 3, height, width]`; output: `[batch, frames', 2 · z_dim,
-    ///   height / 8, width / 8]`
+    /// - `x`: `[batch, frames, 3 · patch², height, width]`; output: `[batch, frames',
+    ///   2 · z_dim, height / 8, width / 8]`
     pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
         let mut x = self.conv_in.forward_cached(x, cache.slot());
         for layer in &self.down_blocks {
             x = match layer {
                 WanDownLayer::Residual(block) => block.forward(x, cache),
                 WanDownLayer::Resample(resample) => resample.forward(x, cache, false),
+                WanDownLayer::Level(level) => level.forward(x, cache),
             };
         }
         let x = self.mid_block.forward(x, cache);
@@ -803,14 +1063,122 @@ impl<B: FusedOps> WanEncoder3d<B> {
     }
 }
 
-/// A decoder level: residual blocks, then an upsampler except at the finest level (diffusers'
-/// `WanUpBlock`).
+/// A level of Wan 2.1's decoder: residual blocks, then an upsampler except at the finest level
+/// (diffusers' `WanUpBlock`).
 #[derive(Module, Debug)]
 pub struct WanUpBlock<B: Backend> {
     /// The residual blocks.
     pub resnets: Vec<WanResidualBlock<B>>,
     /// The upsampler (none at the finest level).
     pub upsamplers: Vec<WanResample<B>>,
+}
+
+impl<B: FusedOps> WanUpBlock<B> {
+    /// `first_chunk` for the clip's first latent frame.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames', out, height',
+    ///   width']`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 5>,
+        cache: &mut FrameCache<B>,
+        first_chunk: bool,
+    ) -> Tensor<B, 5> {
+        let x = chain(&self.resnets, x, cache);
+        self.upsamplers
+            .iter()
+            .fold(x, |x, upsampler| upsampler.forward(x, cache, first_chunk))
+    }
+}
+
+/// A level of Wan 2.2's decoder: residual blocks and an upsampler keeping the channels (none
+/// at the finest level), plus the level's input duplicated into their output's shape
+/// (diffusers' `WanResidualUpBlock`).
+#[derive(Module, Debug)]
+pub struct WanResidualUpBlock<B: Backend> {
+    /// The shortcut (none at the finest level).
+    pub avg_shortcut: Option<DupUp3d>,
+    /// The residual blocks.
+    pub resnets: Vec<WanResidualBlock<B>>,
+    /// The upsampler (none at the finest level).
+    pub upsampler: Option<WanResample<B>>,
+}
+
+impl<B: FusedOps> WanResidualUpBlock<B> {
+    fn new(
+        input: usize,
+        output: usize,
+        blocks: usize,
+        upsample: Option<ResampleMode>,
+        device: &B::Device,
+    ) -> Self {
+        let factor_t = match upsample {
+            Some(ResampleMode::Upsample3d) => 2,
+            _ => 1,
+        };
+        Self {
+            avg_shortcut: upsample.map(|_| DupUp3d::new(input, output, factor_t, 2)),
+            resnets: residual_blocks(input, output, blocks, device),
+            upsampler: upsample.map(|mode| WanResample::new(output, mode, Some(output), device)),
+        }
+    }
+
+    /// `first_chunk` for the clip's first latent frame.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames', out, height',
+    ///   width']`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 5>,
+        cache: &mut FrameCache<B>,
+        first_chunk: bool,
+    ) -> Tensor<B, 5> {
+        let shortcut = self
+            .avg_shortcut
+            .as_ref()
+            .map(|shortcut| shortcut.forward(x.clone(), first_chunk));
+        let x = chain(&self.resnets, x, cache);
+        let x = match &self.upsampler {
+            Some(upsampler) => upsampler.forward(x, cache, first_chunk),
+            None => x,
+        };
+        match shortcut {
+            Some(shortcut) => x + shortcut,
+            None => x,
+        }
+    }
+}
+
+/// A level of the decoder's `up_blocks`.
+// Built once per model and held in a `Vec`: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum WanUpLayer<B: Backend> {
+    /// Wan 2.1's level.
+    Block(WanUpBlock<B>),
+    /// Wan 2.2's level.
+    Residual(WanResidualUpBlock<B>),
+}
+
+impl<B: FusedOps> WanUpLayer<B> {
+    /// `first_chunk` for the clip's first latent frame.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, in, height, width]`; output: `[batch, frames', out, height',
+    ///   width']`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 5>,
+        cache: &mut FrameCache<B>,
+        first_chunk: bool,
+    ) -> Tensor<B, 5> {
+        match self {
+            Self::Block(block) => block.forward(x, cache, first_chunk),
+            Self::Residual(block) => block.forward(x, cache, first_chunk),
+        }
+    }
 }
 
 /// Latent to clip: a causal convolution in, the middle block, the levels coarsest first, and a
@@ -822,10 +1190,10 @@ pub struct WanDecoder3d<B: Backend> {
     /// The middle block.
     pub mid_block: WanMidBlock<B>,
     /// The levels, coarsest first.
-    pub up_blocks: Vec<WanUpBlock<B>>,
+    pub up_blocks: Vec<WanUpLayer<B>>,
     /// Norm before the output.
     pub norm_out: WanRmsNorm<B, 4>,
-    /// To RGB.
+    /// To RGB (its patches' channels in Wan 2.2).
     pub conv_out: WanCausalConv3d<B>,
 }
 
@@ -835,44 +1203,44 @@ impl<B: FusedOps> WanDecoder3d<B> {
         let dims: Vec<usize> = [coarsest]
             .iter()
             .chain(config.dim_mult.iter().rev())
-            .map(|m| m * config.base_dim)
+            .map(|m| m * config.decoder_dim())
             .collect();
         let levels = config.dim_mult.len();
+        let blocks = config.num_res_blocks + 1;
         let up_blocks = dims
             .windows(2)
             .enumerate()
             .map(|(level, pair)| {
-                // Every upsampler halves the channels: later levels start from half.
-                let input = if level > 0 { pair[0] / 2 } else { pair[0] };
                 let output = pair[1];
-                let upsamplers = (level + 1 < levels).then(|| {
-                    let mode = match config.temperal_downsample[levels - 2 - level] {
+                let upsample = (level + 1 < levels).then(|| {
+                    match config.temperal_downsample[levels - 2 - level] {
                         true => ResampleMode::Upsample3d,
                         false => ResampleMode::Upsample2d,
-                    };
-                    WanResample::new(output, mode, device)
+                    }
                 });
-                WanUpBlock {
-                    resnets: (0..=config.num_res_blocks)
-                        .map(|i| {
-                            WanResidualBlock::new(
-                                if i == 0 { input } else { output },
-                                output,
-                                device,
-                            )
-                        })
-                        .collect(),
-                    upsamplers: upsamplers.into_iter().collect(),
+                if config.is_residual {
+                    let block = WanResidualUpBlock::new(pair[0], output, blocks, upsample, device);
+                    return WanUpLayer::Residual(block);
                 }
+                // Wan 2.1's upsamplers halve the channels: later levels start from half.
+                let input = if level > 0 { pair[0] / 2 } else { pair[0] };
+                WanUpLayer::Block(WanUpBlock {
+                    resnets: residual_blocks(input, output, blocks, device),
+                    upsamplers: upsample
+                        .map(|mode| WanResample::new(output, mode, None, device))
+                        .into_iter()
+                        .collect(),
+                })
             })
             .collect();
         let finest = dims[levels];
+        let rgb = 3 * config.patch() * config.patch();
         Self {
             conv_in: WanCausalConv3d::new(config.z_dim, dims[0], [3; 3], 1, [1; 3], device),
             mid_block: WanMidBlock::new(dims[0], device),
             up_blocks,
             norm_out: WanRmsNorm::new(finest, device),
-            conv_out: WanCausalConv3d::new(finest, 3, [3; 3], 1, [1; 3], device),
+            conv_out: WanCausalConv3d::new(finest, rgb, [3; 3], 1, [1; 3], device),
         }
     }
 
@@ -880,8 +1248,8 @@ impl<B: FusedOps> WanDecoder3d<B> {
     /// first.
     ///
     /// # Shapes
-    /// - `x`: `[batch, 1, z_dim, height, width]`; output: `[batch, frames, 3, 8 · height,
-    ///   8 · width]`, one frame for the first chunk, four after
+    /// - `x`: `[batch, 1, z_dim, height, width]`; output: `[batch, frames, 3 · patch²,
+    ///   8 · height, 8 · width]`, one frame for the first chunk, four after
     pub fn forward(
         &self,
         x: Tensor<B, 5>,
@@ -891,12 +1259,7 @@ impl<B: FusedOps> WanDecoder3d<B> {
         let x = self.conv_in.forward_cached(x, cache.slot());
         let mut x = self.mid_block.forward(x, cache);
         for block in &self.up_blocks {
-            for resnet in &block.resnets {
-                x = resnet.forward(x, cache);
-            }
-            for upsampler in &block.upsamplers {
-                x = upsampler.forward(x, cache, first_chunk);
-            }
+            x = block.forward(x, cache, first_chunk);
         }
         self.conv_out
             .forward_cached(silu(self.norm_out.forward(x)), cache.slot())
@@ -983,5 +1346,27 @@ mod tests {
             checkpoint_name("encoder.down_blocks.0.Residual.norm1.gamma"),
             "encoder.down_blocks.0.norm1.gamma"
         );
+        assert_eq!(
+            checkpoint_name("encoder.down_blocks.1.Level.downsampler.time_conv.weight"),
+            "encoder.down_blocks.1.downsampler.time_conv.weight"
+        );
+        assert_eq!(
+            checkpoint_name("decoder.up_blocks.0.Residual.upsampler.resample.1.bias"),
+            "decoder.up_blocks.0.upsampler.resample.1.bias"
+        );
+        assert_eq!(
+            checkpoint_name("decoder.up_blocks.0.Block.upsamplers.0.resample.1.bias"),
+            "decoder.up_blocks.0.upsamplers.0.resample.1.bias"
+        );
+    }
+
+    #[test]
+    fn patches_unfold_to_the_pixels_they_folded() {
+        let x = random([2, 3, 3, 4, 6]);
+        let patched = patchify(x.clone(), 2);
+        assert_eq!(patched.dims(), [2, 3, 12, 2, 3]);
+        unpatchify(patched, 2)
+            .into_data()
+            .assert_eq(&x.into_data(), true);
     }
 }

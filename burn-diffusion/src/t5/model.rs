@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
 
 use super::T5Config;
@@ -142,9 +142,11 @@ impl<B: Kernels> T5Encoder<B> {
         let [batch, tokens] = input_ids.dims();
         let device = input_ids.device();
         let shape = [batch, self.config.num_heads, tokens, tokens];
-        // transformers adds the dtype's lowest value to the scores of masked keys.
+        // transformers adds the dtype's lowest value to the scores of masked keys; setting
+        // them to it gives the same weights and cannot overflow (in bf16, `0 · f32::MIN` is
+        // `0 · −∞`, not a number).
         let masked = attention_mask.map(|mask| {
-            (mask.equal_elem(0).float() * f32::MIN)
+            mask.equal_elem(0)
                 .reshape([batch, 1, 1, tokens])
                 .expand(shape)
         });
@@ -153,7 +155,10 @@ impl<B: Kernels> T5Encoder<B> {
                 .position_bias(tokens, &self.config, &device)
                 .expand(shape);
             match &masked {
-                Some(masked) => bias + masked.clone(),
+                Some(masked) => {
+                    let lowest = lowest_finite(bias.dtype());
+                    bias.mask_fill(masked.clone(), lowest)
+                }
                 None => bias,
             }
         };
@@ -399,6 +404,16 @@ impl<B: Kernels> T5LayerNorm<B> {
     /// - `x`: `[batch, tokens, d_model]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, epsilon: f64) -> Tensor<B, 3> {
         rms_norm(x, self.weight.val(), epsilon)
+    }
+}
+
+/// The lowest finite value of a float `dtype` (what transformers adds to masked scores).
+fn lowest_finite(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => half::bf16::MIN.to_f64(),
+        DType::F16 => half::f16::MIN.to_f64(),
+        DType::F64 => f64::MIN,
+        _ => f64::from(f32::MIN),
     }
 }
 

@@ -263,6 +263,22 @@ pub struct TrainSectionYaml {
     /// Shift value for `timestep_type: shift` (FLUX.1-dev uses 3.0).
     #[serde(default = "defaults::shift")]
     pub timestep_shift: f64,
+    /// Lowest timestep trained, 0–999 (of 1000; σ = t / 1000 for flow matching); absent: 0.
+    /// With `max_timestep`, what trains one expert of a two-expert model (Wan 2.2 A14B's
+    /// high-noise expert: 875–1000, its low-noise expert: 0–875).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_timestep: Option<u32>,
+    /// Highest timestep trained, 1–1000; absent: 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_timestep: Option<u32>,
+    /// Keep `timestep_type`'s distribution within [`min_timestep`, `max_timestep`] by drawing
+    /// again until a timestep falls inside (musubi-tuner's `--preserve_distribution_shape`);
+    /// false: the draw in [0, 1] is scaled into the range.
+    ///
+    /// [`min_timestep`]: TrainSectionYaml::min_timestep
+    /// [`max_timestep`]: TrainSectionYaml::max_timestep
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preserve_distribution_shape: bool,
     /// Guidance value fed to guidance-distilled models (FLUX.1-dev).
     #[serde(default = "defaults::guidance")]
     pub guidance_scale: f64,
@@ -782,6 +798,47 @@ pub enum TimestepSampling {
     ResolutionShift,
 }
 
+/// The part of [0, 1] that σ is drawn from (`train.min_timestep` … `max_timestep` over 1000).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimestepRange {
+    /// Lowest σ.
+    pub min: f64,
+    /// Highest σ.
+    pub max: f64,
+    /// Draw again until σ falls inside (true), or scale the draw into the range (false).
+    pub preserve_shape: bool,
+}
+
+impl TimestepRange {
+    /// All of [0, 1].
+    pub const FULL: Self = Self {
+        min: 0.0,
+        max: 1.0,
+        preserve_shape: false,
+    };
+
+    /// Draws at most this many times to keep the distribution's shape, as musubi-tuner does,
+    /// then scales the last draw into the range.
+    const DRAWS: usize = 1000;
+
+    /// Draws one σ from `sampling` for an image of `tokens` tokens, within the range.
+    pub fn sample(self, sampling: TimestepSampling, tokens: usize, rng: &mut Rng) -> f64 {
+        let mut sigma = sampling.sample_at(tokens, rng);
+        if self == Self::FULL {
+            return sigma;
+        }
+        if self.preserve_shape {
+            for _ in 0..Self::DRAWS {
+                if (self.min..=self.max).contains(&sigma) {
+                    return sigma;
+                }
+                sigma = sampling.sample_at(tokens, rng);
+            }
+        }
+        self.min + sigma * (self.max - self.min)
+    }
+}
+
 impl TimestepSampling {
     /// Draws one σ in [0, 1] from `rng` for an image of `tokens` tokens (which only
     /// [`TimestepSampling::ResolutionShift`] reads).
@@ -829,6 +886,8 @@ pub struct TrainSettings {
     pub gradient_checkpointing: bool,
     /// σ sampling.
     pub timestep: TimestepSampling,
+    /// Where σ is drawn.
+    pub timestep_range: TimestepRange,
     /// Guidance value for guidance-distilled models.
     pub guidance_scale: f64,
     /// The DDPM objective's settings (families trained by flow matching ignore them).
@@ -1538,6 +1597,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         TimestepSampling::Shift(_) => TimestepSampling::Shift(shift?),
         other => other,
     };
+    let timestep_range = check_timestep_range(c, t);
     Some(TrainSettings {
         steps: steps?,
         batch_size: batch?,
@@ -1552,6 +1612,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         max_grad_norm: clip?,
         gradient_checkpointing: t.gradient_checkpointing,
         timestep,
+        timestep_range: timestep_range?,
         guidance_scale: guidance?,
         ddpm: ddpm?,
         max_nan_steps: max_nan?,
@@ -1560,6 +1621,38 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
 }
 
 /// The DDPM settings; an error for each one given to a family trained by flow matching.
+/// `train.min_timestep` … `max_timestep` as a part of σ's [0, 1].
+fn check_timestep_range(c: &mut Checker, t: &TrainSectionYaml) -> Option<TimestepRange> {
+    // Timesteps count to 1000 in every family, as in the trainers' options.
+    let steps = 1000;
+    let min = t.min_timestep.unwrap_or(0);
+    let max = t.max_timestep.unwrap_or(steps);
+    let min = c.require(
+        min < steps,
+        min,
+        "train.min_timestep",
+        &format!("expected 0 to {}", steps - 1),
+    );
+    let max = c.require(
+        (1..=steps).contains(&max),
+        max,
+        "train.max_timestep",
+        &format!("expected 1 to {steps}"),
+    );
+    let (min, max) = (min?, max?);
+    let max = c.require(
+        min < max,
+        max,
+        "train.max_timestep",
+        &format!("expected more than train.min_timestep ({min})"),
+    )?;
+    Some(TimestepRange {
+        min: f64::from(min) / f64::from(steps),
+        max: f64::from(max) / f64::from(steps),
+        preserve_shape: t.preserve_distribution_shape,
+    })
+}
+
 fn check_ddpm(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<DdpmSettings> {
     if arch.objective() != Objective::Ddpm {
         let given = [
@@ -1851,6 +1944,52 @@ mod tests {
             error.problems[0].message.contains("off, large, all"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn timestep_range_scales_or_keeps_the_shape_and_names_bad_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = TrainPlan::load(&write(dir.path(), MINIMAL)).unwrap();
+        assert_eq!(plan.train.timestep_range, TimestepRange::FULL);
+        // Absent bounds stay out of the JSON, so older fingerprints hold.
+        assert!(!plan.to_json().contains("_timestep"), "{}", plan.to_json());
+
+        let high = format!("{MINIMAL}train: {{min_timestep: 875}}\n");
+        let plan = TrainPlan::load(&write(dir.path(), &high)).unwrap();
+        let range = plan.train.timestep_range;
+        assert_eq!((range.min, range.max, range.preserve_shape), (0.875, 1.0, false));
+
+        // σ = sigmoid(n) restricted to [0, 0.5]: scaled, its mean is half the whole
+        // distribution's (0.25); kept in shape, it is E[σ | σ ≤ 0.5] = 0.5 − E|σ − 0.5|, which
+        // numerical integration puts at 0.3251 for the standard logistic-normal.
+        let low = TimestepRange {
+            min: 0.0,
+            max: 0.5,
+            preserve_shape: false,
+        };
+        let mean = |range: TimestepRange| {
+            let mut rng = Rng::seeded(7);
+            let draws: Vec<f64> = (0..40_000)
+                .map(|_| range.sample(TimestepSampling::LogitNormal, 16, &mut rng))
+                .collect();
+            assert!(draws.iter().all(|s| (range.min..=range.max).contains(s)));
+            draws.iter().sum::<f64>() / draws.len() as f64
+        };
+        assert!((mean(low) - 0.25).abs() < 0.003, "{}", mean(low));
+        let kept = mean(TimestepRange {
+            preserve_shape: true,
+            ..low
+        });
+        assert!((kept - 0.3251).abs() < 0.003, "{kept}");
+
+        let bad = format!("{MINIMAL}train: {{min_timestep: 1000, max_timestep: 1001}}\n");
+        let error = TrainPlan::load(&write(dir.path(), &bad)).unwrap_err();
+        let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(fields, ["train.min_timestep", "train.max_timestep"], "{error}");
+        let empty = format!("{MINIMAL}train: {{min_timestep: 900, max_timestep: 900}}\n");
+        let error = TrainPlan::load(&write(dir.path(), &empty)).unwrap_err();
+        assert_eq!(error.problems[0].field, "train.max_timestep", "{error}");
+        assert!(error.problems[0].message.contains("more than"), "{error}");
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use crate::config::{DdpmSettings, Prediction, TimestepSampling};
+use crate::config::{DdpmSettings, Prediction, TimestepRange, TimestepSampling};
 use crate::rng::Rng;
 
 /// The number of training timesteps of SDXL's scheduler (`num_train_timesteps`).
@@ -92,10 +92,12 @@ impl DdpmSchedule {
 }
 
 /// One timestep per sample, `n` of them: `⌊u · 1000⌋` (at most 999) for `u` drawn by
-/// `sampling` (`uniform` gives the training scripts' `randint(0, 1000)`; `tokens` is the
-/// latent's size in 2×2 patches, which only the resolution-dependent shift reads).
+/// `sampling` within `range` (`uniform` gives the training scripts' `randint(min, max)`;
+/// `tokens` is the latent's size in 2×2 patches, which only the resolution-dependent shift
+/// reads).
 pub(crate) fn sample_timesteps(
     sampling: TimestepSampling,
+    range: TimestepRange,
     n: usize,
     tokens: usize,
     rng: &mut Rng,
@@ -103,7 +105,7 @@ pub(crate) fn sample_timesteps(
     let last = NUM_TRAIN_TIMESTEPS as u32 - 1;
     (0..n)
         .map(|_| {
-            let u = sampling.sample_at(tokens, rng);
+            let u = range.sample(sampling, tokens, rng);
             ((u * NUM_TRAIN_TIMESTEPS as f64) as u32).min(last)
         })
         .collect()
@@ -385,7 +387,7 @@ mod tests {
     fn draws_follow_the_run_seed() {
         let draw = |seed: u64, offset: f64| {
             let mut rng = Rng::seeded(seed);
-            let timesteps = sample_timesteps(TimestepSampling::Uniform, 64, 16, &mut rng);
+            let timesteps = sample_timesteps(TimestepSampling::Uniform, TimestepRange::FULL, 64, 16, &mut rng);
             let noise = host_noise([2, 4, 3, 5], offset, &mut rng);
             (timesteps, noise.to_vec::<f32>().unwrap(), rng.state())
         };

@@ -285,7 +285,7 @@ impl Family for Flux1 {
         let x0 = pack_latents(latents);
 
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep.sample_at(h * w / 4, rng) as f32)
+            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, h * w / 4, rng) as f32)
             .collect();
         let pair = FlowPair::new(x0, sigmas, rng, device);
 

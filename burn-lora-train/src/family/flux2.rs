@@ -416,7 +416,7 @@ impl Family for Flux2Family {
         let x0 = pack_flux2_latents(latents);
 
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep.sample_at(h * w, rng) as f32)
+            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, h * w, rng) as f32)
             .collect();
         let pair = FlowPair::new(x0, sigmas, rng, device);
 

@@ -288,7 +288,13 @@ impl Family for Sdxl {
     ) -> (f64, GradientsParams) {
         let x0 = stack::<B, 3, 4>(batch, |s| &s.image[LATENT], device).cast(DType::F32);
         let [n, _, h, w] = x0.dims();
-        let timesteps = sample_timesteps(plan.train.timestep, n, h * w / 4, rng);
+        let timesteps = sample_timesteps(
+            plan.train.timestep,
+            plan.train.timestep_range,
+            n,
+            h * w / 4,
+            rng,
+        );
         let pair = DdpmPair::new(
             x0,
             &timesteps,

@@ -273,7 +273,7 @@ impl Family for Wan {
         let [pt, ph, pw] = self.config.patch_size;
         let tokens = frames / pt * (h / ph) * (w / pw);
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep.sample_at(tokens, rng) as f32)
+            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, tokens, rng) as f32)
             .collect();
         let pair = FlowPair::new(
             x0.reshape([n, channels, frames * h * w]),

@@ -7,15 +7,18 @@
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::ExecutionError;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, read_sync};
 
 /// Whether a training forward pass keeps every activation or recomputes each block in backward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -24,6 +27,10 @@ pub enum Checkpointing {
     /// training: activation memory of one block instead of all).
     #[default]
     Blocks,
+    /// As [`Blocks`](Self::Blocks), with each block's inputs in host memory from the time the
+    /// block has run until its recomputation (a thread of their own copies them out while the
+    /// forward pass goes on): the device holds one block's inputs instead of every block's.
+    BlocksOnHost,
     /// Keep every activation (faster, much more memory).
     Off,
 }
@@ -150,12 +157,17 @@ pub struct BlockTape<B: Backend, C: CheckpointStrategy> {
     slots: Vec<Slot<B, C>>,
     by_node: HashMap<NodeId, usize>,
     steps: Vec<Step<B, C>>,
+    /// With [`Checkpointing::BlocksOnHost`]: the copies of block outputs in host memory.
+    host: Option<HostCopies>,
 }
 
 /// A tensor crossing a block boundary.
 struct Slot<B: Backend, C: CheckpointStrategy> {
-    /// The leaf handed to the model; its value is the recorded activation.
+    /// The leaf handed to the model; its value is the recorded activation (while the value is
+    /// in host memory, a one-element stand-in that keeps the leaf's identity).
     leaf: Option<Tracked<B, C>>,
+    /// Whether the value is in [`BlockTape`]'s host copies.
+    on_host: bool,
     /// The gradient accumulated so far.
     grad: Option<FloatTensor<B>>,
     /// For a declared input: the tracked tensor it came from.
@@ -246,7 +258,13 @@ impl<B: Backend, C: CheckpointStrategy> BlockTape<B, C> {
             slots: Vec::new(),
             by_node: HashMap::new(),
             steps: Vec::new(),
+            host: None,
         }
+    }
+
+    /// Bytes of block inputs in host memory now (copied or on their way).
+    pub fn bytes_on_host(&self) -> u64 {
+        self.host.as_ref().map_or(0, HostCopies::bytes)
     }
 
     /// Whether blocks are recomputed in backward.
@@ -301,6 +319,11 @@ impl<B: Backend, C: CheckpointStrategy> BlockTape<B, C> {
         if out_grads.iter().all(Option::is_none) {
             return;
         }
+        for arg in &step.args {
+            if let Arg::Slot(s) = arg {
+                self.bring_back(*s);
+            }
+        }
         let inputs: Vec<Tracked<B, C>> = step
             .args
             .iter()
@@ -343,10 +366,55 @@ impl<B: Backend, C: CheckpointStrategy> BlockTape<B, C> {
         self.by_node.insert(leaf.node.id, index);
         self.slots.push(Slot {
             leaf: Some(leaf),
+            on_host: false,
             grad: None,
             source,
         });
         index
+    }
+
+    /// With [`Checkpointing::BlocksOnHost`], starts copying the value of `slot` (an earlier
+    /// block's output, which a block has just read) to host memory, leaving a stand-in.
+    fn move_to_host(&mut self, slot: usize) {
+        if self.checkpointing != Checkpointing::BlocksOnHost {
+            return;
+        }
+        let Slot {
+            leaf: Some(leaf),
+            on_host: false,
+            source: None,
+            ..
+        } = &mut self.slots[slot]
+        else {
+            return;
+        };
+        let device = B::float_device(&leaf.primitive);
+        let stand_in = B::float_zeros(Shape::new([1]), &device, leaf.primitive.dtype().into());
+        let value = std::mem::replace(&mut leaf.primitive, stand_in);
+        self.slots[slot].on_host = true;
+        self.host
+            .get_or_insert_with(HostCopies::new)
+            .put::<B>(slot, value);
+    }
+
+    /// Puts the value of `slot` back on the device where it is in host memory.
+    fn bring_back(&mut self, slot: usize) {
+        if !std::mem::take(&mut self.slots[slot].on_host) {
+            return;
+        }
+        let host = self
+            .host
+            .as_ref()
+            .expect("a value on the host has its copies");
+        let leaf = self.slots[slot]
+            .leaf
+            .as_mut()
+            .expect("inputs outlive their readers");
+        let device = B::float_device(&leaf.primitive);
+        let data = host.take(slot).unwrap_or_else(|error| {
+            panic!("copying a checkpointed block's input to host memory failed: {error:?}")
+        });
+        leaf.primitive = B::float_from_data(data, &device);
     }
 }
 
@@ -405,6 +473,11 @@ impl<B: Backend, C: CheckpointStrategy> BlockRunner<Autodiff<B, C>> for BlockTap
         let mut outputs = Vec::new();
         forward(&frozen, I::from_primitives(&mut untracked.into_iter()))
             .into_primitives(&mut outputs);
+        for arg in &args {
+            if let Arg::Slot(s) = arg {
+                self.move_to_host(*s);
+            }
+        }
         let mut slots = Vec::with_capacity(outputs.len());
         let leaves: Vec<_> = outputs
             .into_iter()
@@ -430,6 +503,97 @@ impl<B: Backend, C: CheckpointStrategy> BlockRunner<Autodiff<B, C>> for BlockTap
         });
         O::from_primitives(&mut leaves.into_iter())
     }
+}
+
+/// Copies of block inputs in host memory, keyed by slot, each made by [`copier`]'s thread
+/// after the work queued so far.
+struct HostCopies {
+    shared: Arc<(Mutex<Copies>, Condvar)>,
+}
+
+/// Copies that wait on the device for the copying thread: beyond them, [`HostCopies::put`]
+/// waits, so that the device never holds more than a few of the values it hands over.
+const COPIES_IN_FLIGHT: usize = 2;
+
+/// The copies made, and how many are on their way.
+#[derive(Default)]
+struct Copies {
+    done: HashMap<usize, Result<TensorData, ExecutionError>>,
+    in_flight: usize,
+    bytes: u64,
+}
+
+/// A copy for the copying thread to make.
+type CopyJob = Box<dyn FnOnce() + Send>;
+
+/// The thread that makes every tape's copies, one for the process: a CubeCL backend gives each
+/// thread a stream and memory pools of its own, which one thread reuses from step to step.
+fn copier() -> &'static Mutex<Sender<CopyJob>> {
+    static COPIER: OnceLock<Mutex<Sender<CopyJob>>> = OnceLock::new();
+    COPIER.get_or_init(|| {
+        let (jobs, received) = channel::<CopyJob>();
+        std::thread::Builder::new()
+            .name("block-inputs-to-host".into())
+            .spawn(move || received.into_iter().for_each(|job| job()))
+            .expect("starting the thread that copies block inputs to host memory");
+        Mutex::new(jobs)
+    })
+}
+
+impl HostCopies {
+    fn new() -> Self {
+        Self {
+            shared: Arc::new((Mutex::new(Copies::default()), Condvar::new())),
+        }
+    }
+
+    /// Hands `value` to the copying thread, once fewer than [`COPIES_IN_FLIGHT`] wait for it.
+    fn put<B: Backend>(&self, slot: usize, value: FloatTensor<B>) {
+        let (mutex, settled) = &*self.shared;
+        let bytes = (value.shape().num_elements() * value.dtype().size()) as u64;
+        let mut copies = settled
+            .wait_while(lock(mutex), |c| c.in_flight >= COPIES_IN_FLIGHT)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        copies.in_flight += 1;
+        copies.bytes += bytes;
+        drop(copies);
+        let shared = self.shared.clone();
+        let job = Box::new(move || {
+            let data = read_sync(B::float_into_data(value));
+            let mut copies = lock(&shared.0);
+            copies.done.insert(slot, data);
+            copies.in_flight -= 1;
+            shared.1.notify_all();
+        });
+        copier()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .send(job)
+            .expect("the copying thread runs as long as the process");
+    }
+
+    /// The copy of `slot`'s value, once made; it leaves host memory.
+    fn take(&self, slot: usize) -> Result<TensorData, ExecutionError> {
+        let (mutex, settled) = &*self.shared;
+        let mut copies = settled
+            .wait_while(lock(mutex), |c| !c.done.contains_key(&slot))
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let data = copies.done.remove(&slot).expect("waited for");
+        if let Ok(data) = &data {
+            copies.bytes -= data.as_bytes().len() as u64;
+        }
+        data
+    }
+
+    fn bytes(&self) -> u64 {
+        lock(&self.shared.0).bytes
+    }
+}
+
+fn lock(mutex: &Mutex<Copies>) -> MutexGuard<'_, Copies> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Creates every lazily initialized parameter of `module` now, so that its clones share them.
@@ -519,13 +683,17 @@ mod tests {
             let ctx = h.clone().sin();
             let bias = Tensor::<B, 2>::ones([1, 6], &h.device()) * 0.1;
             let (mut x, mut y, ctx) = runner.input((h.clone(), h * 2.0, ctx));
+            let mut first = None;
             for block in &self.blocks {
                 let bias = bias.clone();
                 (x, y) = runner.run(block, (x, y, ctx.clone()), move |b, (x, y, ctx)| {
                     b.forward(x, y, ctx, &bias)
                 });
+                first.get_or_insert_with(|| x.clone());
             }
-            (self.post.forward(x) * ctx).sum() + y.powi_scalar(2).sum()
+            // The first block's output is read by the next block and by the loss.
+            let first = first.expect("blocks").sum() * 0.5;
+            (self.post.forward(x) * ctx).sum() + y.powi_scalar(2).sum() + first
         }
     }
 
@@ -570,6 +738,27 @@ mod tests {
                 assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} vs {y}");
             }
         }
+    }
+
+    #[test]
+    fn inputs_kept_on_the_host_give_the_same_gradients() {
+        let device = Default::default();
+        let model = Toy::<Ad>::new(&device);
+        let input = Tensor::<Ad, 2>::random([4, 6], Distribution::Normal(0.0, 1.0), &device);
+        let grads = |checkpointing| {
+            let mut tape = BlockTape::new(checkpointing);
+            let loss = model.loss(input.clone(), &mut tape);
+            let on_host = tape.bytes_on_host();
+            let grads = GradientsParams::from_grads(tape.backward(&loss, &model), &model);
+            (all_grads(&model, &grads), on_host)
+        };
+        let (expected, none) = grads(Checkpointing::Blocks);
+        let (actual, on_host) = grads(Checkpointing::BlocksOnHost);
+        assert_eq!(none, 0);
+        // The two outputs of the first two blocks, each [4, 6] f32; the last block's outputs
+        // are read only after the blocks and stay.
+        assert_eq!(on_host, 4 * 4 * 6 * 4);
+        assert_eq!(expected, actual);
     }
 
     #[test]

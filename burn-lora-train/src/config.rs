@@ -17,6 +17,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
+use burn_diffusion::Checkpointing;
 use burn_kernels::{BlasRoute, KernelOptions, StreamOrder};
 use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, LoraPlan};
 use burn_quant::Fp8Format;
@@ -256,6 +257,10 @@ pub struct TrainSectionYaml {
     /// Recompute each block in backward instead of storing its activations.
     #[serde(default = "defaults::yes")]
     pub gradient_checkpointing: bool,
+    /// With `gradient_checkpointing`, keep each block's inputs in host memory until its
+    /// recomputation (musubi-tuner's `--gradient_checkpointing_cpu_offload`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_checkpointing_cpu_offload: bool,
     /// σ sampling: `uniform`, `sigmoid` (= `logit_normal`), `shift` or `flux2_shift` (=
     /// `flux_shift`); default: the family's ([`Arch::default_timestep_type`]).
     #[serde(default)]
@@ -882,8 +887,8 @@ pub struct TrainSettings {
     pub lr_warmup_steps: u64,
     /// Global-norm clipping threshold; `None`: no clipping.
     pub max_grad_norm: Option<f64>,
-    /// Block-level gradient checkpointing.
-    pub gradient_checkpointing: bool,
+    /// Block-level gradient checkpointing, and where the blocks' inputs wait.
+    pub gradient_checkpointing: Checkpointing,
     /// σ sampling.
     pub timestep: TimestepSampling,
     /// Where σ is drawn.
@@ -1598,6 +1603,23 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         other => other,
     };
     let timestep_range = check_timestep_range(c, t);
+    let checkpointing = match (
+        t.gradient_checkpointing,
+        t.gradient_checkpointing_cpu_offload,
+    ) {
+        (true, false) => Some(Checkpointing::Blocks),
+        (true, true) => Some(Checkpointing::BlocksOnHost),
+        (false, false) => Some(Checkpointing::Off),
+        (false, true) => {
+            c.fail(
+                "train.gradient_checkpointing_cpu_offload",
+                "keeps the inputs of recomputed blocks: it needs `train.gradient_checkpointing: \
+                 true`"
+                    .to_string(),
+            );
+            None
+        }
+    };
     Some(TrainSettings {
         steps: steps?,
         batch_size: batch?,
@@ -1610,7 +1632,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         lr_scheduler: scheduler?,
         lr_warmup_steps: warmup?,
         max_grad_norm: clip?,
-        gradient_checkpointing: t.gradient_checkpointing,
+        gradient_checkpointing: checkpointing?,
         timestep,
         timestep_range: timestep_range?,
         guidance_scale: guidance?,
@@ -1957,7 +1979,10 @@ mod tests {
         let high = format!("{MINIMAL}train: {{min_timestep: 875}}\n");
         let plan = TrainPlan::load(&write(dir.path(), &high)).unwrap();
         let range = plan.train.timestep_range;
-        assert_eq!((range.min, range.max, range.preserve_shape), (0.875, 1.0, false));
+        assert_eq!(
+            (range.min, range.max, range.preserve_shape),
+            (0.875, 1.0, false)
+        );
 
         // σ = sigmoid(n) restricted to [0, 0.5]: scaled, its mean is half the whole
         // distribution's (0.25); kept in shape, it is E[σ | σ ≤ 0.5] = 0.5 − E|σ − 0.5|, which
@@ -1985,11 +2010,38 @@ mod tests {
         let bad = format!("{MINIMAL}train: {{min_timestep: 1000, max_timestep: 1001}}\n");
         let error = TrainPlan::load(&write(dir.path(), &bad)).unwrap_err();
         let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();
-        assert_eq!(fields, ["train.min_timestep", "train.max_timestep"], "{error}");
+        assert_eq!(
+            fields,
+            ["train.min_timestep", "train.max_timestep"],
+            "{error}"
+        );
         let empty = format!("{MINIMAL}train: {{min_timestep: 900, max_timestep: 900}}\n");
         let error = TrainPlan::load(&write(dir.path(), &empty)).unwrap_err();
         assert_eq!(error.problems[0].field, "train.max_timestep", "{error}");
         assert!(error.problems[0].message.contains("more than"), "{error}");
+    }
+
+    #[test]
+    fn block_inputs_go_to_the_host_only_with_checkpointing() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |train: &str| TrainPlan::load(&write(dir.path(), &format!("{MINIMAL}{train}")));
+        let on_host = load("train: {gradient_checkpointing_cpu_offload: true}\n").unwrap();
+        assert_eq!(
+            on_host.train.gradient_checkpointing,
+            Checkpointing::BlocksOnHost
+        );
+        assert_eq!(
+            load("").unwrap().train.gradient_checkpointing,
+            Checkpointing::Blocks
+        );
+        let error = load(
+            "train: {gradient_checkpointing: false, gradient_checkpointing_cpu_offload: true}\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            error.problems[0].field, "train.gradient_checkpointing_cpu_offload",
+            "{error}"
+        );
     }
 
     #[test]

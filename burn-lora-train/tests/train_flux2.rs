@@ -12,7 +12,7 @@ use safetensors::SafeTensors;
 
 fn plan(output: &std::path::Path, steps: u64) -> TrainPlan {
     let mut plan = example_plan("flux2.yaml", output, steps);
-    plan.train.gradient_checkpointing = true;
+    plan.train.gradient_checkpointing = burn_diffusion::Checkpointing::Blocks;
     plan
 }
 

@@ -17,7 +17,7 @@ use safetensors::SafeTensors;
 
 fn plan(output: &std::path::Path, steps: u64) -> TrainPlan {
     let mut plan = example_plan("sdxl.yaml", output, steps);
-    plan.train.gradient_checkpointing = true;
+    plan.train.gradient_checkpointing = burn_diffusion::Checkpointing::Blocks;
     plan.train.ddpm.prediction = Prediction::Velocity;
     plan.train.ddpm.noise_offset = 0.05;
     plan

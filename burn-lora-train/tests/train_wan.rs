@@ -54,7 +54,7 @@ fn video_plan(output: &Path, steps: u64) -> TrainPlan {
     dataset.folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/video");
     dataset.resolutions = vec![32];
     dataset.frames = vec![5];
-    plan.train.gradient_checkpointing = true;
+    plan.train.gradient_checkpointing = burn_diffusion::Checkpointing::Blocks;
     plan
 }
 

@@ -387,7 +387,13 @@ mod tests {
     fn draws_follow_the_run_seed() {
         let draw = |seed: u64, offset: f64| {
             let mut rng = Rng::seeded(seed);
-            let timesteps = sample_timesteps(TimestepSampling::Uniform, TimestepRange::FULL, 64, 16, &mut rng);
+            let timesteps = sample_timesteps(
+                TimestepSampling::Uniform,
+                TimestepRange::FULL,
+                64,
+                16,
+                &mut rng,
+            );
             let noise = host_noise([2, 4, 3, 5], offset, &mut rng);
             (timesteps, noise.to_vec::<f32>().unwrap(), rng.state())
         };

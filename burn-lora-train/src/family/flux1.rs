@@ -26,9 +26,9 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::FlowPair;
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, encoder_stream, f32_vae, into_stream, load_denoiser, mse_gradients,
-    random_model, source_name, streamed,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
+    encoder_stream, f32_vae, into_stream, load_denoiser, mse_gradients, random_model, source_name,
+    streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -285,7 +285,11 @@ impl Family for Flux1 {
         let x0 = pack_latents(latents);
 
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, h * w / 4, rng) as f32)
+            .map(|_| {
+                plan.train
+                    .timestep_range
+                    .sample(plan.train.timestep, h * w / 4, rng) as f32
+            })
             .collect();
         let pair = FlowPair::new(x0, sigmas, rng, device);
 
@@ -305,7 +309,7 @@ impl Family for Flux1 {
             img_ids: image_ids(h, w),
             txt_ids: text_ids(txt_len),
         };
-        let mut tape = BlockTape::new(checkpointing(plan));
+        let mut tape = BlockTape::new(plan.train.gradient_checkpointing);
         let prediction = flux.forward_with(input, &mut tape);
         mse_gradients(prediction, pair.target, None, tape, flux)
     }

@@ -32,9 +32,8 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::FlowPair;
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, encoder_stream, into_stream, load_denoiser, mse_gradients, random_model,
-    source_name, streamed,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
+    encoder_stream, into_stream, load_denoiser, mse_gradients, random_model, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -416,7 +415,11 @@ impl Family for Flux2Family {
         let x0 = pack_flux2_latents(latents);
 
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, h * w, rng) as f32)
+            .map(|_| {
+                plan.train
+                    .timestep_range
+                    .sample(plan.train.timestep, h * w, rng) as f32
+            })
             .collect();
         let pair = FlowPair::new(x0, sigmas, rng, device);
 
@@ -435,7 +438,7 @@ impl Family for Flux2Family {
             img_ids: flux2_image_ids(h, w),
             txt_ids: flux2_text_ids(txt_len),
         };
-        let mut tape = BlockTape::new(checkpointing(plan));
+        let mut tape = BlockTape::new(plan.train.gradient_checkpointing);
         let prediction = flux.forward_with(input, &mut tape);
         mse_gradients(prediction, pair.target, None, tape, flux)
     }

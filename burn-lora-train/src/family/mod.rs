@@ -26,7 +26,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, ElementConversion, FloatDType, Tensor, TensorData};
 use burn_diffusion::vae::{AutoencoderKl, VaeCheckpoint, VaeConfig};
-use burn_diffusion::{BlockTape, Checkpointing, PlaceWeight, materialize, random_placed};
+use burn_diffusion::{BlockTape, PlaceWeight, materialize, random_placed};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
@@ -557,13 +557,4 @@ pub(crate) fn mse_gradients<B: FusedOps, M: AutodiffModule<Autodiff<B>>, const D
     // host queues the backward.
     let value = loss.into_scalar().elem::<f64>();
     (value, grads)
-}
-
-/// What the run's `train.gradient_checkpointing` asks the block tape for.
-pub(crate) fn checkpointing(plan: &TrainPlan) -> Checkpointing {
-    if plan.train.gradient_checkpointing {
-        Checkpointing::Blocks
-    } else {
-        Checkpointing::Off
-    }
 }

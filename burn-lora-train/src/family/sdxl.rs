@@ -30,8 +30,8 @@ use burn_quant::Checkpoint;
 
 use super::ddpm::{DdpmPair, DdpmSchedule, sample_timesteps};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_vae_latents, f32_vae, load_denoiser, mse_gradients, source_name,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, f32_vae,
+    load_denoiser, mse_gradients, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -316,7 +316,7 @@ impl Family for Sdxl {
             ),
             time_ids: Tensor::from_inner(stack::<B, 1, 2>(batch, |s| &s.image[TIME_IDS], device)),
         };
-        let mut tape = BlockTape::new(checkpointing(plan));
+        let mut tape = BlockTape::new(plan.train.gradient_checkpointing);
         let prediction = unet.forward_with(input, &mut tape);
         mse_gradients(prediction, pair.target, Some(pair.weights), tape, unet)
     }

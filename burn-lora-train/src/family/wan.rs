@@ -27,9 +27,8 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 
 use super::flow::FlowPair;
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, checkpointing,
-    encode_clips_by_bucket, encoder_stream, into_stream, load_denoiser, mse_gradients,
-    random_model, source_name, streamed,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_clips_by_bucket,
+    encoder_stream, into_stream, load_denoiser, mse_gradients, random_model, source_name, streamed,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -273,7 +272,11 @@ impl Family for Wan {
         let [pt, ph, pw] = self.config.patch_size;
         let tokens = frames / pt * (h / ph) * (w / pw);
         let sigmas: Vec<f32> = (0..n)
-            .map(|_| plan.train.timestep_range.sample(plan.train.timestep, tokens, rng) as f32)
+            .map(|_| {
+                plan.train
+                    .timestep_range
+                    .sample(plan.train.timestep, tokens, rng) as f32
+            })
             .collect();
         let pair = FlowPair::new(
             x0.reshape([n, channels, frames * h * w]),
@@ -293,7 +296,7 @@ impl Family for Wan {
             timestep: Tensor::from_inner(pair.sigma * 1000.0),
             encoder_hidden_states: Tensor::from_inner(Tensor::stack::<3>(states, 0).cast(dtype)),
         };
-        let mut tape = BlockTape::new(checkpointing(plan));
+        let mut tape = BlockTape::new(plan.train.gradient_checkpointing);
         let prediction = transformer.forward_with(input, &mut tape);
         mse_gradients(
             prediction,

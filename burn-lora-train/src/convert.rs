@@ -51,7 +51,9 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         "tiny-flux2" => (Arch::Flux2, ModelSource::Tiny),
         "sdxl" => (Arch::Sdxl, ModelSource::Random("sdxl".into())),
         "tiny-sdxl" => (Arch::Sdxl, ModelSource::Tiny),
-        shape @ ("wan2.1-14b" | "wan2.1-1.3b") => (Arch::Wan, ModelSource::Random(shape.into())),
+        shape @ ("wan2.1-14b" | "wan2.1-1.3b" | "wan2.2-5b") => {
+            (Arch::Wan, ModelSource::Random(shape.into()))
+        }
         "tiny-wan" => (Arch::Wan, ModelSource::Tiny),
         path => {
             let arch = if Flux2Checkpoint::open(Path::new(path)).is_ok() {

@@ -122,8 +122,8 @@ pub enum DatasetError {
         /// The frames of the clip.
         frames: usize,
     },
-    /// An image is smaller than the smallest bucket (16 × 16 pixels).
-    #[error("{path} is {width}x{height}, smaller than the smallest bucket (16x16)")]
+    /// An image is smaller than the smallest bucket.
+    #[error("{path} is {width}x{height}, smaller than the smallest bucket ({side}x{side})")]
     TooSmall {
         /// The image file.
         path: PathBuf,
@@ -131,6 +131,8 @@ pub enum DatasetError {
         width: u32,
         /// Its height.
         height: u32,
+        /// The side of the smallest bucket, in pixels.
+        side: usize,
     },
 }
 
@@ -205,27 +207,33 @@ pub struct Clip {
     pub fps: Option<f64>,
 }
 
-/// The buckets of `resolution` (a multiple of 16): widths `resolution + k·step`, each with the
-/// tallest height (a multiple of 16) that keeps the area at most `resolution²`, and aspect
-/// ratios up to 4:1 either way. The step is 64 pixels (kohya's `bucket_reso_steps`) from
-/// resolution 512 up, `resolution / 8` rounded down to a multiple of 16 below (at least 16).
-/// The square `resolution × resolution` is always included.
-pub fn buckets(resolution: usize) -> Vec<Bucket> {
+/// The side of a bucket is a multiple of this many pixels, unless the model asks for more
+/// (`Family::pixel_multiple`).
+pub const PIXEL_MULTIPLE: usize = 16;
+
+/// The buckets of `resolution` (rounded down to a multiple of `multiple`, a multiple of 16):
+/// widths `resolution + k·step`, each with the tallest height (a multiple of `multiple`) that
+/// keeps the area at most `resolution²`, and aspect ratios up to 4:1 either way. The step is 64
+/// pixels (kohya's `bucket_reso_steps`) from resolution 512 up, `resolution / 8` rounded down to
+/// a multiple of `multiple` below (at least `multiple`), and never less than `multiple`. The
+/// square `resolution × resolution` is always included.
+pub fn buckets(resolution: usize, multiple: usize) -> Vec<Bucket> {
     assert!(
-        resolution >= 16 && resolution.is_multiple_of(16),
-        "resolution {resolution} is not a positive multiple of 16"
+        multiple.is_multiple_of(PIXEL_MULTIPLE) && resolution >= multiple,
+        "resolution {resolution} in multiples of {multiple}"
     );
+    let resolution = resolution / multiple * multiple;
     let area = resolution * resolution;
-    let step = (resolution / 8 / 16 * 16).clamp(16, 64);
+    let step = (resolution / 8 / multiple * multiple).clamp(multiple, 64.max(multiple));
     let mut out = Vec::new();
     let mut width = resolution % step;
     if width == 0 {
         width = step;
     }
-    while width <= area / 16 {
-        let height = area / width / 16 * 16;
+    while width <= area / multiple {
+        let height = area / width / multiple * multiple;
         let aspect = width.max(height) as f64 / width.min(height).max(1) as f64;
-        if height >= 16 && aspect <= MAX_ASPECT {
+        if height >= multiple && aspect <= MAX_ASPECT {
             out.push(Bucket {
                 width,
                 height,
@@ -237,18 +245,18 @@ pub fn buckets(resolution: usize) -> Vec<Bucket> {
     out
 }
 
-/// The 1-frame bucket for an image of `width × height` pixels trained at `resolution`: among
-/// the buckets of `min(resolution, the image's own resolution)`, the one whose aspect ratio is
-/// nearest (in log scale; ties go to the larger area). `None` when the image is smaller than
-/// 16 × 16 in area.
-pub fn bucket_for(width: u32, height: u32, resolution: usize) -> Option<Bucket> {
-    let own = ((f64::from(width) * f64::from(height)).sqrt() as usize) / 16 * 16;
+/// The 1-frame bucket for an image of `width × height` pixels trained at `resolution`, with
+/// sides in multiples of `multiple`: among the buckets of `min(resolution, the image's own
+/// resolution)`, the one whose aspect ratio is nearest (in log scale; ties go to the larger
+/// area). `None` when the image is smaller than `multiple × multiple` in area.
+pub fn bucket_for(width: u32, height: u32, resolution: usize, multiple: usize) -> Option<Bucket> {
+    let own = ((f64::from(width) * f64::from(height)).sqrt() as usize) / multiple * multiple;
     let resolution = resolution.min(own);
-    if resolution < 16 {
+    if resolution < multiple {
         return None;
     }
     let target = (f64::from(width) / f64::from(height)).ln();
-    buckets(resolution).into_iter().min_by(|a, b| {
+    buckets(resolution, multiple).into_iter().min_by(|a, b| {
         let distance = |b: &Bucket| ((b.width as f64 / b.height as f64).ln() - target).abs();
         distance(a)
             .total_cmp(&distance(b))
@@ -415,10 +423,11 @@ pub struct DataPosition {
 }
 
 impl Dataset {
-    /// Lists the sources and captions of every dataset, cuts clips and assigns their buckets.
-    /// Reads image headers and, with `ffprobe`, video headers only; a video that `ffprobe`
-    /// cannot read is reported (`tracing::error!`) and left out.
-    pub fn scan(plans: &[DatasetPlan]) -> Result<Self, DatasetError> {
+    /// Lists the sources and captions of every dataset, cuts clips and assigns their buckets
+    /// (sides in multiples of `multiple` pixels, [`PIXEL_MULTIPLE`] or more). Reads image
+    /// headers and, with `ffprobe`, video headers only; a video that `ffprobe` cannot read is
+    /// reported (`tracing::error!`) and left out.
+    pub fn scan(plans: &[DatasetPlan], multiple: usize) -> Result<Self, DatasetError> {
         let mut items = Vec::new();
         for (index, plan) in plans.iter().enumerate() {
             let first = items.len();
@@ -475,13 +484,15 @@ impl Dataset {
                 };
                 let (width, height) = size;
                 for &resolution in &plan.resolutions {
-                    let bucket = bucket_for(width, height, resolution).ok_or_else(|| {
-                        DatasetError::TooSmall {
-                            path: source.clone(),
-                            width,
-                            height,
-                        }
-                    })?;
+                    let bucket =
+                        bucket_for(width, height, resolution, multiple).ok_or_else(|| {
+                            DatasetError::TooSmall {
+                                path: source.clone(),
+                                width,
+                                height,
+                                side: multiple,
+                            }
+                        })?;
                     for &frames in &counts {
                         for start in plan.extraction.starts(length, frames) {
                             items.push(Item {
@@ -763,7 +774,7 @@ mod tests {
     #[test]
     fn buckets_have_equal_area_sides_of_16_and_bounded_aspect() {
         for resolution in [256, 512, 528, 1024] {
-            let list = buckets(resolution);
+            let list = buckets(resolution, PIXEL_MULTIPLE);
             let area = resolution * resolution;
             assert!(list.contains(&Bucket {
                 width: resolution,
@@ -782,11 +793,27 @@ mod tests {
     }
 
     #[test]
+    fn buckets_of_32_pixels_round_the_resolution_down() {
+        let list = buckets(528, 32);
+        assert!(list.contains(&Bucket {
+            width: 512,
+            height: 512,
+            frames: 1,
+        }));
+        assert!(list.iter().all(|b| b.width % 32 == 0 && b.height % 32 == 0));
+        // Wan 2.2 TI2V-5B at 640: a 16:9 clip gets a bucket whose sides its VAE (16x) and
+        // patches (2x) divide.
+        let clip = bucket_for(1280, 720, 640, 32).unwrap();
+        assert_eq!((clip.width, clip.height), (832, 480));
+        assert_eq!(bucket_for(20, 20, 640, 32), None);
+    }
+
+    #[test]
     fn a_16_by_9_image_goes_to_the_nearest_aspect_bucket() {
         // At 512 the widths near 16:9 (1.778) are 640x400 (1.6), 704x368 (1.913) and 768x336
         // (2.286); in log scale 1.913 is the nearest (0.073 against 0.105 for 1.6).
         assert_eq!(
-            bucket_for(1920, 1080, 512),
+            bucket_for(1920, 1080, 512, PIXEL_MULTIPLE),
             Some(Bucket {
                 width: 704,
                 height: 368,
@@ -794,11 +821,11 @@ mod tests {
             })
         );
         assert_eq!(
-            bucket_for(1080, 1920, 512).map(|b| b.width < b.height),
+            bucket_for(1080, 1920, 512, PIXEL_MULTIPLE).map(|b| b.width < b.height),
             Some(true)
         );
         assert_eq!(
-            bucket_for(1000, 1000, 512),
+            bucket_for(1000, 1000, 512, PIXEL_MULTIPLE),
             Some(Bucket {
                 width: 512,
                 height: 512,
@@ -811,14 +838,14 @@ mod tests {
     fn small_images_are_not_upscaled() {
         // 300x300 has its own resolution 288 (300 rounded down to a multiple of 16).
         assert_eq!(
-            bucket_for(300, 300, 1024),
+            bucket_for(300, 300, 1024, PIXEL_MULTIPLE),
             Some(Bucket {
                 width: 288,
                 height: 288,
                 frames: 1,
             })
         );
-        assert_eq!(bucket_for(10, 10, 512), None);
+        assert_eq!(bucket_for(10, 10, 512, PIXEL_MULTIPLE), None);
     }
 
     #[test]
@@ -828,7 +855,8 @@ mod tests {
         save_png(&dir.path().join("a.PNG"), 32, 32, |_, _| [0, 0, 0]);
         std::fs::write(dir.path().join("a.txt"), "  a red cube \n").unwrap();
         std::fs::write(dir.path().join("notes.md"), "not an image").unwrap();
-        let dataset = Dataset::scan(&[plan(dir.path(), vec![32, 16], 1, 0.0)]).unwrap();
+        let dataset =
+            Dataset::scan(&[plan(dir.path(), vec![32, 16], 1, 0.0)], PIXEL_MULTIPLE).unwrap();
         let summary: Vec<(String, &str, Bucket)> = dataset
             .items()
             .iter()
@@ -883,7 +911,8 @@ mod tests {
     #[test]
     fn an_empty_folder_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        let err = Dataset::scan(&[plan(dir.path(), vec![512], 1, 0.0)]).unwrap_err();
+        let err =
+            Dataset::scan(&[plan(dir.path(), vec![512], 1, 0.0)], PIXEL_MULTIPLE).unwrap_err();
         assert!(err.to_string().contains(&dir.path().display().to_string()));
     }
 

@@ -146,7 +146,7 @@ where
     F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
 {
     let run = RunDir::create(plan.run_dir(), &plan.name)?;
-    let dataset = Dataset::scan(&plan.datasets)?;
+    let dataset = Dataset::scan(&plan.datasets, family.pixel_multiple())?;
     let prepared = cache::prepare::<F, B>(family, plan, &dataset, device)?;
 
     let start = Instant::now();

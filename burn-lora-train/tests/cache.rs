@@ -30,7 +30,7 @@ static ENCODERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn run(plan: &TrainPlan) -> Prepared {
     let _turn = ENCODERS.lock().unwrap_or_else(|e| e.into_inner());
-    let dataset = Dataset::scan(&plan.datasets).unwrap();
+    let dataset = Dataset::scan(&plan.datasets, burn_lora_train::dataset::PIXEL_MULTIPLE).unwrap();
     let family = Flux1::new(plan).unwrap();
     prepare::<_, Flex>(&family, plan, &dataset, &Default::default()).unwrap()
 }

@@ -18,7 +18,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_lora::{LoraConfig, LoraLinear, LoraMetadata, LoraPlan, SaveOptions};
 use burn_lora_train::checkpoint::{RunDir, StateTensor, TrainingState};
 use burn_lora_train::config::{DatasetPlan, OptimizerKind, SchedulerKind, TimestepSampling};
-use burn_lora_train::dataset::{DataPosition, Dataset, FrameExtraction};
+use burn_lora_train::dataset::{DataPosition, Dataset, FrameExtraction, PIXEL_MULTIPLE};
 use burn_lora_train::optim::{AdamW, AdamWConfig, LrSchedule};
 use burn_lora_train::rng::Rng;
 
@@ -175,17 +175,20 @@ fn make_dataset(folder: &Path) -> Dataset {
             std::fs::write(folder.join(format!("img{i}.txt")), format!("picture {i}")).unwrap();
         }
     }
-    Dataset::scan(&[DatasetPlan {
-        folder: folder.to_path_buf(),
-        caption_ext: "txt".into(),
-        resolutions: vec![SIDE],
-        repeats: 1,
-        caption_dropout: 0.3,
-        cache_to_disk: false,
-        frames: vec![1],
-        fps: None,
-        extraction: FrameExtraction::Head,
-    }])
+    Dataset::scan(
+        &[DatasetPlan {
+            folder: folder.to_path_buf(),
+            caption_ext: "txt".into(),
+            resolutions: vec![SIDE],
+            repeats: 1,
+            caption_dropout: 0.3,
+            cache_to_disk: false,
+            frames: vec![1],
+            fps: None,
+            extraction: FrameExtraction::Head,
+        }],
+        PIXEL_MULTIPLE,
+    )
     .unwrap()
 }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::TensorData;
 use burn_lora_train::config::DatasetPlan;
 use burn_lora_train::dataset::{
-    Bucket, Clip, Dataset, DatasetError, FrameExtraction, Item, SourceKind,
+    Bucket, Clip, Dataset, DatasetError, FrameExtraction, Item, PIXEL_MULTIPLE, SourceKind,
 };
 
 fn fixtures() -> PathBuf {
@@ -66,7 +66,11 @@ fn assert_frames(clip: &TensorData, expected: &[usize], what: &str) {
 
 #[test]
 fn head_clips_of_the_video_and_the_frame_folder_are_the_source_frames() {
-    let dataset = Dataset::scan(&[plan(vec![9], None, FrameExtraction::Head)]).unwrap();
+    let dataset = Dataset::scan(
+        &[plan(vec![9], None, FrameExtraction::Head)],
+        PIXEL_MULTIPLE,
+    )
+    .unwrap();
     let items = dataset.items();
     let summary: Vec<(String, SourceKind, usize, Bucket)> = items
         .iter()
@@ -100,7 +104,7 @@ fn head_clips_of_the_video_and_the_frame_folder_are_the_source_frames() {
 #[test]
 fn uniform_clips_start_evenly_from_the_first_to_the_last_possible_frame() {
     let extraction = FrameExtraction::Uniform { samples: 3 };
-    let dataset = Dataset::scan(&[plan(vec![5], None, extraction)]).unwrap();
+    let dataset = Dataset::scan(&[plan(vec![5], None, extraction)], PIXEL_MULTIPLE).unwrap();
     // Ten frames, clips of five: starts ⌊k · 5 / 2⌋ = 0, 2, 5.
     let starts: Vec<(String, usize)> = dataset
         .items()
@@ -138,7 +142,11 @@ fn resampling_shows_the_source_frame_at_each_new_time() {
         ),
         (4.0, [0, 2, 4, 6, 8], &["clip.mkv", "frames"][..]),
     ] {
-        let dataset = Dataset::scan(&[plan(vec![5], Some(fps), FrameExtraction::Head)]).unwrap();
+        let dataset = Dataset::scan(
+            &[plan(vec![5], Some(fps), FrameExtraction::Head)],
+            PIXEL_MULTIPLE,
+        )
+        .unwrap();
         let items = dataset.items();
         assert_eq!(
             items.iter().map(name).collect::<Vec<_>>(),
@@ -166,7 +174,7 @@ fn resampling_shows_the_source_frame_at_each_new_time() {
     }
     // At 4 fps the ten frames are five: the second uniform clip of five starts at 0 too.
     let uniform = FrameExtraction::Uniform { samples: 2 };
-    let dataset = Dataset::scan(&[plan(vec![5], Some(4.0), uniform)]).unwrap();
+    let dataset = Dataset::scan(&[plan(vec![5], Some(4.0), uniform)], PIXEL_MULTIPLE).unwrap();
     let video: Vec<usize> = dataset
         .items()
         .iter()
@@ -178,7 +186,11 @@ fn resampling_shows_the_source_frame_at_each_new_time() {
 
 #[test]
 fn one_frame_clips_train_as_images_and_buckets_group_by_frames() {
-    let dataset = Dataset::scan(&[plan(vec![1, 5], None, FrameExtraction::Head)]).unwrap();
+    let dataset = Dataset::scan(
+        &[plan(vec![1, 5], None, FrameExtraction::Head)],
+        PIXEL_MULTIPLE,
+    )
+    .unwrap();
     let summary: Vec<(String, usize)> = dataset
         .items()
         .iter()
@@ -252,7 +264,7 @@ fn an_unreadable_video_names_itself_and_a_folder_of_them_is_empty() {
     std::fs::copy(&broken, dir.path().join("broken.MP4")).unwrap();
     let mut only_broken = plan(vec![1], None, FrameExtraction::Head);
     only_broken.folder = dir.path().to_path_buf();
-    let error = Dataset::scan(&[only_broken]).unwrap_err();
+    let error = Dataset::scan(&[only_broken], PIXEL_MULTIPLE).unwrap_err();
     assert!(matches!(error, DatasetError::Empty { .. }), "{error}");
 }
 
@@ -266,10 +278,10 @@ fn images_need_a_frame_count_of_one() {
     .unwrap();
     let mut images = plan(vec![5], None, FrameExtraction::Head);
     images.folder = dir.path().to_path_buf();
-    let error = Dataset::scan(std::slice::from_ref(&images)).unwrap_err();
+    let error = Dataset::scan(std::slice::from_ref(&images), PIXEL_MULTIPLE).unwrap_err();
     assert!(matches!(error, DatasetError::NoClip { .. }), "{error}");
     images.frames = vec![5, 1];
-    let dataset = Dataset::scan(&[images]).unwrap();
+    let dataset = Dataset::scan(&[images], PIXEL_MULTIPLE).unwrap();
     assert_eq!(dataset.items().len(), 1);
     assert_eq!(dataset.items()[0].clip.kind, SourceKind::Image);
     assert_frames(&dataset.items()[0].load_clip().unwrap(), &[0], "still.png");

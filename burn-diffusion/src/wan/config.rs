@@ -70,6 +70,18 @@ impl WanConfig {
         }
     }
 
+    /// Wan 2.2 text-image-to-video 5B, on the 48 channels of Wan 2.2's VAE.
+    pub fn wan22_5b() -> Self {
+        Self {
+            num_attention_heads: 24,
+            in_channels: 48,
+            out_channels: 48,
+            ffn_dim: 14336,
+            num_layers: 30,
+            ..Self::wan21_14b()
+        }
+    }
+
     /// Width of the residual stream.
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads * self.attention_head_dim

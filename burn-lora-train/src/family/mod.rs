@@ -32,7 +32,7 @@ use burn_lora::LayoutNames;
 use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 
 use crate::config::{ModelFiles, ModelSource, TrainPlan};
-use crate::dataset::{Bucket, Dataset, DatasetError, Item};
+use crate::dataset::{Bucket, Dataset, DatasetError, Item, PIXEL_MULTIPLE};
 use crate::error::TrainError;
 use crate::models::{built_on_host, float_dtype};
 use crate::rng::Rng;
@@ -186,6 +186,12 @@ pub trait Family: Sized {
 
     /// The names of an image's encodings and of a caption's, as the encoders return them.
     fn schema(&self) -> Schema;
+
+    /// The pixels a bucket's sides are multiples of: what the image encoder's downsampling
+    /// and the denoiser's patches divide ([`PIXEL_MULTIPLE`] by default).
+    fn pixel_multiple(&self) -> usize {
+        PIXEL_MULTIPLE
+    }
 
     /// Encodes the images of `items` (their pixels from `dataset`), loading the image encoder
     /// and dropping it before returning; an encoding that is not finite is an error naming the

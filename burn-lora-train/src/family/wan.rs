@@ -1,19 +1,22 @@
-//! Wan 2.1 text-to-video (and each expert of Wan 2.2 A14B): the video transformer trained by
-//! flow matching with a discrete shift on the causal 3-D VAE's normalized latents, conditioned
-//! on umT5's states. An image trains as a one-frame clip.
+//! Wan 2.1 text-to-video (and each expert of Wan 2.2 A14B) on Wan 2.1's VAE, and Wan 2.2
+//! TI2V-5B on Wan 2.2's 48-channel VAE: the video transformer trained by flow matching with a
+//! discrete shift on the causal 3-D VAE's normalized latents, conditioned on umT5's states. An
+//! image trains as a one-frame clip.
 //!
 //! Sources: `tiny` builds small random models seeded from the run's seed (on the CPU, then
-//! copied to the device); `random:wan2.1-14b` / `random:wan2.1-1.3b` the full-size shapes with
-//! random weights; files are a diffusers pipeline folder (`transformer/`, `vae/`,
-//! `text_encoder/`, tokenizer in `tokenizer/`), each component also given on its own: the
-//! transformer as Wan-Video's or ComfyUI's single file, the VAE as `Wan2.1_VAE` converted to
-//! safetensors (ComfyUI's `wan_2.1_vae.safetensors`), umT5 as a transformers folder or single
-//! file. The VAE runs in f32, as the other families' do.
+//! copied to the device); `random:wan2.1-14b` / `random:wan2.1-1.3b` / `random:wan2.2-5b` the
+//! full-size shapes with random weights; files are a diffusers pipeline folder
+//! (`transformer/`, `vae/`, `text_encoder/`, tokenizer in `tokenizer/`), each component also
+//! given on its own: the transformer as Wan-Video's or ComfyUI's single file, the VAE as
+//! `Wan2.1_VAE` converted to safetensors (ComfyUI's `wan_2.1_vae.safetensors`) or a diffusers
+//! VAE file (Wan 2.2's), umT5 as a transformers folder or single file. The VAE runs in f32, as
+//! the other families' do.
 
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn_diffusion::LoadError;
 use burn_diffusion::pipeline::encode_wan_prompt;
 use burn_diffusion::t5::{T5Config, T5Encoder};
 use burn_diffusion::tokenize::CaptionTokenizer;
@@ -43,8 +46,8 @@ const TINY_TOKENS: usize = 16;
 /// Captions encoded per batch.
 const TEXT_BATCH: usize = 8;
 
-/// A clip's encoding: the VAE's normalized latent, `[16, 1 + (frames − 1) / 4, h/8, w/8]`, in
-/// the model's dtype.
+/// A clip's encoding: the VAE's normalized latent, `[z, 1 + (frames − 1) / 4, h/c, w/c]` (`z`
+/// 16 and `c` 8 for Wan 2.1's VAE, 48 and 16 for Wan 2.2's), in the model's dtype.
 const LATENT: &str = "latent";
 /// A caption's encoding: umT5's states over the caption's own tokens, `[tokens, 4096]`.
 const STATES: &str = "states";
@@ -52,7 +55,7 @@ const STATES: &str = "states";
 /// The components, as `model.<component>` and diffusers folders name them.
 pub(super) const COMPONENTS: &[&str] = &["transformer", "vae", "text_encoder"];
 /// The `random:` shapes.
-pub(super) const RANDOM_SHAPES: &[&str] = &["wan2.1-14b", "wan2.1-1.3b"];
+pub(super) const RANDOM_SHAPES: &[&str] = &["wan2.1-14b", "wan2.1-1.3b", "wan2.2-5b"];
 /// The tokenizer: umT5's, as in a diffusers folder.
 pub(super) const TOKENIZERS: &[&str] = &["tokenizer"];
 
@@ -65,20 +68,42 @@ const TINY_TEXT: usize = 32;
 #[derive(Clone, Debug)]
 pub struct Wan {
     config: WanConfig,
+    vae: WanVaeConfig,
 }
 
 impl Wan {
-    /// The family of `source`'s transformer, its configuration read without loading weights.
+    /// The family of `source`'s transformer and VAE, their configurations read without loading
+    /// weights; a VAE whose latent channels are not the transformer's is refused.
     pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
-        let config = match source {
-            ModelSource::Tiny => tiny_transformer(),
-            ModelSource::Random(shape) if shape == "wan2.1-1.3b" => WanConfig::wan21_1_3b(),
-            ModelSource::Random(_) => WanConfig::wan21_14b(),
-            ModelSource::Files(files) => WanCheckpoint::open(files.get("transformer"))?
-                .config()
-                .clone(),
+        let (config, vae) = match source {
+            ModelSource::Tiny => (tiny_transformer(), tiny_vae()),
+            ModelSource::Random(shape) => match shape.as_str() {
+                "wan2.1-1.3b" => (WanConfig::wan21_1_3b(), WanVaeConfig::wan21()),
+                "wan2.2-5b" => (WanConfig::wan22_5b(), WanVaeConfig::wan22()),
+                _ => (WanConfig::wan21_14b(), WanVaeConfig::wan21()),
+            },
+            ModelSource::Files(files) => {
+                let transformer = WanCheckpoint::open(files.get("transformer"))?
+                    .config()
+                    .clone();
+                let vae_path = files.get("vae");
+                let vae = WanVae::<Flex>::config_of(vae_path)?;
+                if vae.z_dim != transformer.in_channels {
+                    return Err(LoadError::Config {
+                        file: vae_path.to_path_buf(),
+                        message: format!(
+                            "a VAE of {} latent channels, but the transformer reads {}: Wan \
+                             2.1's VAE (16) goes with Wan 2.1 and Wan 2.2 A14B, Wan 2.2's (48) \
+                             with TI2V-5B",
+                            vae.z_dim, transformer.in_channels
+                        ),
+                    }
+                    .into());
+                }
+                (transformer, vae)
+            }
         };
-        Ok(Self { config })
+        Ok(Self { config, vae })
     }
 
     /// umT5 in the model's dtype on `device`; with a `stream`, its `Linear` weights are
@@ -132,25 +157,22 @@ impl Wan {
         })
     }
 
-    /// The VAE on `device` in f32: tiny, Wan 2.1's shape with random weights, or the `vae`
+    /// The VAE on `device` in f32: tiny, the model's shape with random weights, or the `vae`
     /// component.
-    fn vae<B: FusedOps>(plan: &TrainPlan, device: &B::Device) -> Result<WanVae<B>, TrainError> {
+    fn vae<B: FusedOps>(
+        &self,
+        plan: &TrainPlan,
+        device: &B::Device,
+    ) -> Result<WanVae<B>, TrainError> {
         let dtype = FloatDType::F32;
         let seed = plan.train.seed ^ 1;
         B::seed(device, seed);
+        let config = &self.vae;
         Ok(match &plan.model.source {
             ModelSource::Tiny => {
-                let wan21 = WanVaeConfig::wan21();
-                let config = WanVaeConfig {
-                    base_dim: 8,
-                    z_dim: TINY_LATENT,
-                    latents_mean: wan21.latents_mean[..TINY_LATENT].to_vec(),
-                    latents_std: wan21.latents_std[..TINY_LATENT].to_vec(),
-                    ..wan21
-                };
                 built_on_host(seed, dtype, |h| config.init::<Flex>(h), config.init(device))
             }
-            ModelSource::Random(_) => materialize(WanVaeConfig::wan21().init::<B>(device), dtype),
+            ModelSource::Random(_) => materialize(config.init::<B>(device), dtype),
             ModelSource::Files(files) => WanVae::load(files.get("vae"), device, dtype)?,
         })
     }
@@ -178,6 +200,11 @@ impl Family for Wan {
         }
     }
 
+    /// The VAE's downsampling times the patch: 16 pixels for Wan 2.1's VAE, 32 for Wan 2.2's.
+    fn pixel_multiple(&self) -> usize {
+        self.vae.spatial_compression() * self.config.patch_size[1]
+    }
+
     /// Each clip through the VAE, one at a time: the latents of 81 frames at 480p are made
     /// chunk by chunk with the VAE's causal cache.
     fn encode_images<B: StreamTarget>(
@@ -187,7 +214,7 @@ impl Family for Wan {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = Self::vae::<Offload<B>>(plan, device)?;
+        let vae = self.vae::<Offload<B>>(plan, device)?;
         let encoded = encode_clips_by_bucket::<Offload<B>>(dataset, items, device, |clip| {
             let latent = vae
                 .encode_latents(clip.cast(DType::F32))
@@ -331,6 +358,19 @@ fn padded_states<B: Backend>(
     Tensor::cat(vec![states, zeros], 0)
 }
 
+/// The VAE of `model.path: tiny`: Wan 2.1's at base width 8, with as many latent channels as
+/// the tiny transformer reads.
+fn tiny_vae() -> WanVaeConfig {
+    let wan21 = WanVaeConfig::wan21();
+    WanVaeConfig {
+        base_dim: 8,
+        z_dim: TINY_LATENT,
+        latents_mean: wan21.latents_mean[..TINY_LATENT].to_vec(),
+        latents_std: wan21.latents_std[..TINY_LATENT].to_vec(),
+        ..wan21
+    }
+}
+
 /// The transformer of `model.path: tiny`: Wan's blocks at width 24 (two heads of 12), on the
 /// tiny VAE's latents and the tiny umT5's states.
 fn tiny_transformer() -> WanConfig {
@@ -345,5 +385,43 @@ fn tiny_transformer() -> WanConfig {
         num_layers: 2,
         rope_max_seq_len: 64,
         ..WanConfig::wan21_14b()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::config::ModelFiles;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../burn-diffusion/tests/fixtures")
+            .join(name)
+    }
+
+    #[test]
+    fn ti2v_5b_takes_wan_2_2s_vae_and_buckets_of_32_pixels() {
+        let of = |shape: &str| Wan::of(&ModelSource::Random(shape.into())).unwrap();
+        let five = of("wan2.2-5b");
+        assert_eq!(
+            (five.config.num_layers, five.config.inner_dim()),
+            (30, 3072)
+        );
+        assert_eq!((five.config.in_channels, five.vae.z_dim), (48, 48));
+        assert_eq!(five.pixel_multiple(), 32);
+        let fourteen = of("wan2.1-14b");
+        assert_eq!((fourteen.config.in_channels, fourteen.vae.z_dim), (16, 16));
+        assert_eq!(fourteen.pixel_multiple(), 16);
+    }
+
+    #[test]
+    fn a_vae_of_other_latent_channels_than_the_transformer_is_refused_by_name() {
+        let vae = fixture("wan_vae22");
+        let files = ModelFiles::pipeline(&fixture("wan"), COMPONENTS).with("vae", vae.clone());
+        let error = Wan::of(&ModelSource::Files(files)).unwrap_err().to_string();
+        assert!(error.contains(&vae.display().to_string()), "{error}");
+        assert!(error.contains("8 latent channels"), "{error}");
     }
 }

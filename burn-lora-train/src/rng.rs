@@ -2,7 +2,7 @@
 //! in the training state and restored exactly.
 //!
 //! The generator is xoshiro256++ (Blackman and Vigna, public domain), seeded through SplitMix64.
-//! [`derive`] gives stateless, order-independent draws for choices that must not depend on
+//! [`derive()`] gives stateless, order-independent draws for choices that must not depend on
 //! how far a stream has been consumed (data order, caption dropout).
 
 use serde::{Deserialize, Serialize};

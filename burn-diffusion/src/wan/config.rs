@@ -133,7 +133,7 @@ impl WanConfig {
 }
 
 impl WanConfig {
-    /// Infers the configuration of a single file (diffusers' names, as [`super::keys`] gives
+    /// Infers the configuration of a single file (diffusers' names, as the `keys` module gives
     /// them) from the shapes of its tensors: widths from the patch embedding, the embeddings
     /// and the first block, layers from the block indices, the cross-attention norm from its
     /// presence; heads of 128 (every Wan model's), epsilon 1e-6 and 1024 rotary positions.

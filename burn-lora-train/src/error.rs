@@ -47,7 +47,7 @@ pub enum TrainError {
     /// (measured over a step) with the ring of a plan that streams every weight. The run stops
     /// before anything of that step is saved.
     #[error(
-        "{file}: `model.offload.vram_budget_gb` is {}, but this run needs at least {}: {} beside the frozen weights (activations, adapters, gradients, optimizer state, workspace: measured over step {step}) and {} for the ring with every frozen weight streamed; raise the budget to at least that, or set it to 0 to stream every frozen weight without a bound",
+        "{file}: `model.offload.vram_budget_gb` is {}, but this run needs at least {}: {} beside the frozen weights (activations, adapters, gradients, optimizer state, workspace: measured over step {step}) and {} for the ring with every frozen weight streamed; raise the budget to at least that, or set it to 0 to stream every frozen weight without a bound{advice}",
         gb(*.budget),
         gb_up(*.needed),
         gb(*.headroom),
@@ -66,6 +66,9 @@ pub enum TrainError {
         ring: u64,
         /// The smallest budget that holds both, in bytes.
         needed: u64,
+        /// The settings that would need less beside the weights, as a clause starting with
+        /// `; ` (empty when every one is in force).
+        advice: String,
     },
     /// `--resume` was asked for but the run folder has no valid checkpoint.
     #[error("{dir}: no checkpoint to resume from")]

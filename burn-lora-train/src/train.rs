@@ -31,6 +31,7 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::Backend;
+use burn_diffusion::Checkpointing;
 use burn_lora::{LoraMetadata, SaveOptions};
 use burn_offload::{
     GradientSink, MemoryMeasurement, MemoryPlan, MemoryProbe, Offload, OffloadError, StepStats,
@@ -39,7 +40,7 @@ use burn_offload::{
 
 use crate::cache;
 use crate::checkpoint::{RunDir, StateTensor, TrainingState};
-use crate::config::{GradientPlacement, TrainPlan};
+use crate::config::{GradientPlacement, OptimizerState, TrainPlan};
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
 use crate::error::gb;
@@ -461,6 +462,7 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
                     headroom,
                     ring,
                     needed,
+                    advice: budget_advice(plan),
                 });
             }
             Err(error) => return Err(error.into()),
@@ -495,6 +497,40 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
         }
         self.headroom = Some(need);
         Ok(Some(memory))
+    }
+}
+
+/// The settings not yet in force that take memory off the device, for [`TrainError::Budget`]:
+/// empty when none is left.
+fn budget_advice(plan: &TrainPlan) -> String {
+    let settings = [
+        (
+            plan.train.gradient_checkpointing == Checkpointing::Off,
+            "`train.gradient_checkpointing: true` (each block's activations recomputed)",
+        ),
+        (
+            plan.train.gradient_checkpointing == Checkpointing::Blocks,
+            "`train.gradient_checkpointing_cpu_offload: true` (the recomputed blocks' inputs in \
+             host memory)",
+        ),
+        (
+            plan.train.optimizer_state == OptimizerState::Device,
+            "`train.optimizer_state: host` (the optimizer's moments and the gradients in host \
+             memory)",
+        ),
+    ];
+    let unused: Vec<&str> = settings
+        .iter()
+        .filter(|(unused, _)| *unused)
+        .map(|(_, setting)| *setting)
+        .collect();
+    if unused.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; these need less beside the weights: {}",
+            unused.join(", ")
+        )
     }
 }
 

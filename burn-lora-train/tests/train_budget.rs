@@ -167,6 +167,13 @@ fn a_budget_short_of_the_measured_need_stops_the_run_and_keeps_the_saved_work() 
             && message.contains("needs at least 0.05 GB"),
         "{message}"
     );
+    // The tiny run keeps every activation and its optimizer on the device: both are named.
+    assert!(
+        message.contains("`train.gradient_checkpointing: true`")
+            && message.contains("`train.optimizer_state: host`")
+            && !message.contains("cpu_offload"),
+        "{message}"
+    );
     assert_eq!(
         files(&first.run_dir()),
         saved,

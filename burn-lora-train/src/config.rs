@@ -829,9 +829,6 @@ impl TimestepRange {
     /// Draws one σ from `sampling` for an image of `tokens` tokens, within the range.
     pub fn sample(self, sampling: TimestepSampling, tokens: usize, rng: &mut Rng) -> f64 {
         let mut sigma = sampling.sample_at(tokens, rng);
-        if self == Self::FULL {
-            return sigma;
-        }
         if self.preserve_shape {
             for _ in 0..Self::DRAWS {
                 if (self.min..=self.max).contains(&sigma) {

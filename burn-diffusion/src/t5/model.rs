@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_quant::Checkpoint;
 
 use super::T5Config;
@@ -156,7 +156,7 @@ impl<B: Kernels> T5Encoder<B> {
                 .expand(shape);
             match &masked {
                 Some(masked) => {
-                    let lowest = lowest_finite(bias.dtype());
+                    let lowest = bias.dtype().finfo().expect("scores are floats").min;
                     bias.mask_fill(masked.clone(), lowest)
                 }
                 None => bias,
@@ -404,16 +404,6 @@ impl<B: Kernels> T5LayerNorm<B> {
     /// - `x`: `[batch, tokens, d_model]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, epsilon: f64) -> Tensor<B, 3> {
         rms_norm(x, self.weight.val(), epsilon)
-    }
-}
-
-/// The lowest finite value of a float `dtype` (what transformers adds to masked scores).
-fn lowest_finite(dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => half::bf16::MIN.to_f64(),
-        DType::F16 => half::f16::MIN.to_f64(),
-        DType::F64 => f64::MIN,
-        _ => f64::from(f32::MIN),
     }
 }
 

@@ -63,6 +63,30 @@ pub struct WanVae<B: Backend> {
 }
 
 impl WanVaeConfig {
+    /// The shape of the VAE at `path` without loading it: a folder's `config.json`, or, for a
+    /// single file, Wan 2.2's ([`wan22`](Self::wan22)) where the encoder's first convolution
+    /// reads 2 × 2 patches of RGB (12 channels), else Wan 2.1's ([`wan21`](Self::wan21)).
+    pub fn of(path: &Path) -> Result<Self, LoadError> {
+        if path.is_file() {
+            let checkpoint = Checkpoint::open(path)?;
+            let patches = ["encoder.conv1.weight", "encoder.conv_in.weight"]
+                .iter()
+                .find_map(|key| checkpoint.get(key))
+                .is_some_and(|conv| conv.shape.get(1) == Some(&12));
+            return Ok(if patches {
+                Self::wan22()
+            } else {
+                Self::wan21()
+            });
+        }
+        let folder = component_folder(path, "vae").ok_or_else(|| LoadError::Config {
+            file: path.to_path_buf(),
+            message: "no vae/config.json here: expected a diffusers Wan folder or its vae folder"
+                .into(),
+        })?;
+        Self::from_json(&folder.join("config.json"))
+    }
+
     /// A VAE of this shape with Burn's default initialization (the norms' scales at one),
     /// created lazily, on first use, in the device's default float dtype.
     ///
@@ -85,45 +109,21 @@ impl WanVaeConfig {
 impl<B: FusedOps> WanVae<B> {
     /// Loads diffusers' layout, a pipeline folder with `vae/` or the `vae` folder itself
     /// (`config.json`, Wan 2.1's or Wan 2.2's, and `diffusion_pytorch_model.safetensors`), or a
-    /// single file of the shape [`config_of`](Self::config_of) finds: Wan 2.1's in its original
+    /// single file of the shape [`WanVaeConfig::of`] finds: Wan 2.1's in its original
     /// layout (`Wan2.1_VAE.pth` as safetensors, ComfyUI's `wan_2.1_vae.safetensors`) or
     /// diffusers', Wan 2.2's under diffusers' names. The weights go to `device` in `dtype`, the
     /// dtype the VAE then computes in.
     pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
-        let config = Self::config_of(path)?;
+        let config = WanVaeConfig::of(path)?;
         if path.is_file() {
             return Self::load_original(path, config, device, dtype);
         }
-        let folder = component_folder(path, "vae").expect("config_of found it");
+        let folder = component_folder(path, "vae").expect("WanVaeConfig::of found it");
         let weights = diffusers_weights(folder);
         let tensors = NamedTensors::new(Checkpoint::open(&weights)?, &weights, |key| {
             Some(key.to_string())
         })?;
         tensors.load(config.init(device), checkpoint_name, device, dtype, None)
-    }
-
-    /// The shape of the VAE at `path` without loading it: a folder's `config.json`, or, for a
-    /// single file, Wan 2.2's ([`WanVaeConfig::wan22`]) where the encoder's first convolution
-    /// reads 2 × 2 patches of RGB (12 channels), else Wan 2.1's ([`WanVaeConfig::wan21`]).
-    pub fn config_of(path: &Path) -> Result<WanVaeConfig, LoadError> {
-        if path.is_file() {
-            let checkpoint = Checkpoint::open(path)?;
-            let patches = ["encoder.conv1.weight", "encoder.conv_in.weight"]
-                .iter()
-                .find_map(|key| checkpoint.get(key))
-                .is_some_and(|conv| conv.shape.get(1) == Some(&12));
-            return Ok(if patches {
-                WanVaeConfig::wan22()
-            } else {
-                WanVaeConfig::wan21()
-            });
-        }
-        let folder = component_folder(path, "vae").ok_or_else(|| LoadError::Config {
-            file: path.to_path_buf(),
-            message: "no vae/config.json here: expected a diffusers Wan folder or its vae folder"
-                .into(),
-        })?;
-        WanVaeConfig::from_json(&folder.join("config.json"))
     }
 
     /// Loads a single file in Wan 2.1's original layout (or under diffusers' names, which Wan

@@ -87,7 +87,7 @@ impl Wan {
                     .config()
                     .clone();
                 let vae_path = files.get("vae");
-                let vae = WanVae::<Flex>::config_of(vae_path)?;
+                let vae = WanVaeConfig::of(vae_path)?;
                 if vae.z_dim != transformer.in_channels {
                     return Err(LoadError::Config {
                         file: vae_path.to_path_buf(),

@@ -145,32 +145,35 @@ fn unary_backward(
     })
 }
 
-/// The scale, the tables and the row length of a norm-and-rotation call.
+/// The scale, the tables, the row length and the tables' lanes of a norm-and-rotation call.
 struct Tables {
     scale: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
     tokens: usize,
     dim: usize,
+    rot: usize,
 }
 
 impl Tables {
     fn new(o: &NormRope<Flex>) -> Self {
         let shape = o.x.shape();
         let (tokens, dim) = (shape[shape.num_dims() - 2], shape[shape.num_dims() - 1]);
+        let rot = o.cos.shape()[o.cos.shape().num_dims() - 1];
         Self {
             scale: values(&o.scale).0,
             cos: values(&o.cos).0,
             sin: values(&o.sin).0,
             tokens,
             dim,
+            rot,
         }
     }
 
-    /// The angles' cosines and sines of `row`'s token.
-    fn angles(&self, row: usize) -> (&[f32], &[f32]) {
-        let at = (row % self.tokens) * self.dim;
-        (&self.cos[at..at + self.dim], &self.sin[at..at + self.dim])
+    /// The cosine and sine of lane `c` of `row`'s token: the tables' lane `c mod rot`.
+    fn angle(&self, row: usize, c: usize) -> (f32, f32) {
+        let at = (row % self.tokens) * self.rot + c % self.rot;
+        (self.cos[at], self.sin[at])
     }
 }
 
@@ -183,12 +186,12 @@ fn norm_rope(o: &NormRope<Flex>) -> FloatTensor<Flex> {
     let t = Tables::new(o);
     by_rows(&o.x, None, |row, x, _, out| {
         let inverse = inverse_rms(x, o.eps);
-        let (cos, sin) = t.angles(row);
         for c in (0..t.dim).step_by(2) {
+            let (cos, sin) = t.angle(row, c);
             let n0 = x[c] * inverse * t.scale[c];
             let n1 = x[c + 1] * inverse * t.scale[c + 1];
-            out[c] = n0 * cos[c] - n1 * sin[c];
-            out[c + 1] = n1 * cos[c] + n0 * sin[c];
+            out[c] = n0 * cos - n1 * sin;
+            out[c + 1] = n1 * cos + n0 * sin;
         }
     })
 }
@@ -198,11 +201,11 @@ fn norm_rope_backward(o: &NormRope<Flex>, grad: &FloatTensor<Flex>) -> FloatTens
     let t = Tables::new(o);
     by_rows(&o.x, Some(grad), |row, x, g, out| {
         let inverse = inverse_rms(x, o.eps);
-        let (cos, sin) = t.angles(row);
         let back = |c: usize| {
+            let (cos, sin) = t.angle(row, c);
             (
-                (g[c] * cos[c] + g[c + 1] * sin[c]) * t.scale[c],
-                (g[c + 1] * cos[c] - g[c] * sin[c]) * t.scale[c + 1],
+                (g[c] * cos + g[c + 1] * sin) * t.scale[c],
+                (g[c + 1] * cos - g[c] * sin) * t.scale[c + 1],
             )
         };
         let dot: f32 = (0..t.dim)

@@ -29,11 +29,12 @@ pub enum UnaryOp {
 /// The operands of one fused RMS norm and rotary embedding.
 #[derive(Debug, Clone)]
 pub struct NormRope<B: Backend> {
-    /// `[..., tokens, dim]`, one head of one token per row.
+    /// `[..., tokens, dim]`: one head of one token per row, or all heads of one token.
     pub x: FloatTensor<B>,
     /// The norm's learned scale, `dim` values.
     pub scale: FloatTensor<B>,
-    /// Cosines of the angles, `[tokens, dim]` (each pair's value repeated for both lanes).
+    /// Cosines of the angles of one head, `[tokens, rot]` (each pair's value repeated for both
+    /// lanes; `rot` even and a divisor of `dim`): lane `c` of a row turns by lane `c mod rot`'s.
     pub cos: FloatTensor<B>,
     /// Sines of the angles, as `cos`.
     pub sin: FloatTensor<B>,

@@ -178,17 +178,20 @@ fn unary<B: Kernels, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Te
 /// `(n₀, n₁)` turned to `(n₀ cos − n₁ sin, n₁ cos + n₀ sin)` by its token's angles, computed in
 /// f32 in one kernel (one more for the gradient of `x`) and returned in `x`'s dtype; `None`
 /// where the backend has no such kernel, the installed options switch it off, or the scale or
-/// the tables need gradients (the fused op gives only `x` one).
+/// the tables need gradients (the fused op gives only `x` one). The tables hold one head's
+/// `rot` lanes: a row of `x` is one head (`rot = dim`), or all heads of a token normed together
+/// (`dim = heads · rot`, Wan's norm across heads), each head turned by the same angles.
 ///
 /// # Shapes
-/// - `x`: `[batch, heads, tokens, dim]`; `scale`: `[dim]`; `cos`, `sin`: `[tokens, dim]`
-pub fn rms_norm_rope<B: Kernels>(
-    x: &Tensor<B, 4>,
+/// - `x`: `[batch, heads, tokens, dim]` or `[batch, tokens, dim]`; `scale`: `[dim]`; `cos`,
+///   `sin`: `[tokens, rot]`
+pub fn rms_norm_rope<B: Kernels, const D: usize>(
+    x: &Tensor<B, D>,
     scale: &Tensor<B, 1>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,
     eps: f64,
-) -> Option<Tensor<B, 4>> {
+) -> Option<Tensor<B, D>> {
     fused(
         |o| o.fused_elementwise,
         counters::count_elementwise,

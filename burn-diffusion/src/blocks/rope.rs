@@ -142,6 +142,36 @@ impl<B: Kernels> Rope<B> {
         fused.unwrap_or_else(|| self.apply(rms_norm(x, scale, eps)))
     }
 
+    /// [`rms_norm`] of each token's `heads` heads together (`scale` `[heads · head_dim]`, Wan's
+    /// norm across heads), split into heads, then [`apply`](Self::apply): one fused kernel each
+    /// way where [`burn_kernels::rms_norm_rope`] has one for neighbouring pairs (rounding once),
+    /// elsewhere the ops as written.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, tokens, heads · head_dim]`; output: `[batch, heads, tokens, head_dim]`
+    pub fn apply_normalized_across_heads(
+        &self,
+        x: Tensor<B, 3>,
+        scale: Tensor<B, 1>,
+        heads: usize,
+        eps: f64,
+    ) -> Tensor<B, 4> {
+        let split = |t: Tensor<B, 3>| {
+            let [b, l, width] = t.dims();
+            t.reshape([b, l, heads, width / heads]).swap_dims(1, 2)
+        };
+        let fused = match self.pairing {
+            Pairing::Interleaved => {
+                burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps)
+            }
+            Pairing::Halves => None,
+        };
+        match fused {
+            Some(turned) => split(turned),
+            None => self.apply(split(rms_norm(x, scale, eps))),
+        }
+    }
+
     /// Rotates each pair of lanes `(x₀, x₁)` of every head: `(x₀ cos - x₁ sin, x₁ cos + x₀ sin)`,
     /// computed in f32 and returned in the input's dtype.
     ///
@@ -203,6 +233,73 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Wan's norm across heads: the fused path against the formula in f64, and its gradient
+    /// against the separate ops' (options off).
+    #[test]
+    fn norm_across_heads_then_rotation_of_each_head() {
+        use burn::backend::Autodiff;
+        use burn::tensor::{Distribution, Tolerance};
+        use burn_kernels::{KernelOptions, counters};
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let (tokens, heads, d, eps) = (3, 2, 6, 1e-6);
+        let positions = [0.0, 1.0, 4.0, 2.0, -3.0, 0.5];
+        let rope = Rope::<A>::new(&positions, &[2, 4], 100.0, &device);
+        let width = heads * d;
+        let values: Vec<f32> = (0..tokens * width)
+            .map(|i| (i as f32 * 0.41).sin() * 2.0)
+            .collect();
+        let scale: Vec<f32> = (0..width).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let weights = Tensor::<A, 4>::random([1, heads, tokens, d], Distribution::Default, &device);
+        let run = |options: KernelOptions| {
+            let _options = options.install();
+            let x = Tensor::<A, 3>::from_data(
+                TensorData::new(values.clone(), [1, tokens, width]),
+                &device,
+            )
+            .require_grad();
+            let scale = Tensor::<A, 1>::from_floats(scale.as_slice(), &device);
+            let before = counters();
+            let out = rope.apply_normalized_across_heads(x.clone(), scale, heads, eps);
+            let fused = counters().since(before).fused_elementwise;
+            let grad = x
+                .grad(&(out.clone() * weights.clone()).sum().backward())
+                .unwrap();
+            (out.inner(), grad, fused)
+        };
+        let (out, grad, fused) = run(KernelOptions::fast());
+        let (separate_out, separate_grad, none) = run(KernelOptions::separate_ops());
+        assert_eq!((fused, none), (1, 0));
+        let got = out.clone().into_data().to_vec::<f32>().unwrap();
+        let freqs = [1.0, 1.0, 0.1];
+        for token in 0..tokens {
+            let row = &values[token * width..][..width];
+            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / width as f64;
+            let n = |c: usize| row[c] as f64 / (ms + eps).sqrt() * scale[c] as f64;
+            for head in 0..heads {
+                for (pair, freq) in freqs.iter().enumerate() {
+                    let axis = usize::from(pair > 0);
+                    let angle = positions[token * 2 + axis] * freq;
+                    let c = head * d + 2 * pair;
+                    let y0 = n(c) * angle.cos() - n(c + 1) * angle.sin();
+                    let y1 = n(c + 1) * angle.cos() + n(c) * angle.sin();
+                    let at = (head * tokens + token) * d + 2 * pair;
+                    assert!((got[at] as f64 - y0).abs() < 1e-5, "{} vs {y0}", got[at]);
+                    assert!(
+                        (got[at + 1] as f64 - y1).abs() < 1e-5,
+                        "{} vs {y1}",
+                        got[at + 1]
+                    );
+                }
+            }
+        }
+        let tolerance = Tolerance::absolute(1e-5);
+        out.into_data()
+            .assert_approx_eq::<f32>(&separate_out.into_data(), tolerance);
+        grad.into_data()
+            .assert_approx_eq::<f32>(&separate_grad.into_data(), tolerance);
     }
 
     #[test]

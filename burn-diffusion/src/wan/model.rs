@@ -414,15 +414,17 @@ impl<B: Kernels> WanAttention<B> {
             t.reshape([b, l, self.heads, width / self.heads])
                 .swap_dims(1, 2)
         };
-        let q = rms_norm(self.to_q.forward(x), self.norm_q.weight.val(), config.eps);
-        let k = rms_norm(
-            self.to_k.forward(context.clone()),
-            self.norm_k.weight.val(),
-            config.eps,
-        );
+        let (q, k) = (self.to_q.forward(x), self.to_k.forward(context.clone()));
+        let (q_scale, k_scale) = (self.norm_q.weight.val(), self.norm_k.weight.val());
         let (q, k) = match rope {
-            Some(rope) => (rope.apply(heads(q)), rope.apply(heads(k))),
-            None => (heads(q), heads(k)),
+            Some(rope) => (
+                rope.apply_normalized_across_heads(q, q_scale, self.heads, config.eps),
+                rope.apply_normalized_across_heads(k, k_scale, self.heads, config.eps),
+            ),
+            None => (
+                heads(rms_norm(q, q_scale, config.eps)),
+                heads(rms_norm(k, k_scale, config.eps)),
+            ),
         };
         let out = sdpa(q, k, heads(self.to_v.forward(context)));
         let [b, h, l, d] = out.dims();

@@ -1,24 +1,27 @@
 //! The queries' and keys' RMS norm and rotary embedding as one CubeCL kernel each way, for any
-//! CubeCL runtime: for each row `x` of `head_dim` values (one head of one token),
-//! `n = x / √(mean(x²) + eps) · scale`, then each pair `(n₀, n₁)` turned to
-//! `(n₀ cos − n₁ sin, n₁ cos + n₀ sin)` by the token's angles; in f32, stored once in the
-//! input's dtype. As separate ops that is about fourteen passes forward. The mechanism behind
-//! [`rms_norm_rope`](crate::rms_norm_rope); tested on wgpu (f32), run on CUDA (bf16).
+//! CubeCL runtime: for each row `x` of `dim` values (one head of one token, or all heads of one
+//! token together), `n = x / √(mean(x²) + eps) · scale`, then each pair `(n₀, n₁)` turned to
+//! `(n₀ cos − n₁ sin, n₁ cos + n₀ sin)` by the token's angles, the tables holding one head's
+//! `rot` lanes (lane `c` of the row takes the angle of lane `c mod rot`); in f32, stored once in
+//! the input's dtype. As separate ops that is about fourteen passes forward. The mechanism
+//! behind [`rms_norm_rope`](crate::rms_norm_rope); tested on wgpu (f32), run on CUDA (bf16).
 //!
-//! Each unit holds `width` consecutive values of a row, loaded and stored as one vector:
-//! `width` is the widest vector the runtime loads in one access for the dtype (16 bytes: 8 bf16
-//! values on CUDA, 4 f32 values) that is even and divides the row, so that a unit holds whole
-//! pairs. A row's `dim / width` units sit side by side along the cube's x axis, so that
-//! neighbouring units touch neighbouring vectors, and a cube stacks as many rows along its y
-//! axis as fit in [`CUBE_UNITS`] units (16 rows of 128 bf16 values). Rows go to cubes token by
-//! token (every head of every batch entry at one token, then the next token's), so that a
-//! cube's rows read the `cos` and `sin` rows of few tokens (one or two for 24 heads): each unit
-//! reads the even lane's entry of each of its pairs, and the cube's other rows of the same token
-//! find it in cache. A row's sums go through
-//! shared memory: every unit stores its partial sum, and after one barrier adds up its row's
-//! partials in the same order, so that the row's units agree on the sum. Slots past the last
-//! row (in the last cube, or in cubes added to fit the runtime's grid) compute on the last row,
-//! so that they reach the barrier, and store nothing.
+//! Each unit holds `spread` vectors of `width` consecutive values of a row, loaded and stored
+//! whole: `width` is the widest vector the runtime loads in one access for the dtype (16 bytes:
+//! 8 bf16 values on CUDA, 4 f32 values) that is even and divides `rot`, so that a unit holds
+//! whole pairs of one head; `spread` is the fewest vectors per unit that fit a row in
+//! [`CUBE_UNITS`] units (one for a head of 128, four for 5120 values of bf16). A row's units
+//! sit side by side along the cube's x axis, vector `k · units + unit` in the unit's `k`-th
+//! slot, so that neighbouring units touch neighbouring vectors, and a cube stacks as many rows
+//! along its y axis as fit in [`CUBE_UNITS`] units (16 rows of 128 bf16 values). Rows go to
+//! cubes token by token (every head of every batch entry at one token, then the next token's),
+//! so that a cube's rows read the `cos` and `sin` rows of few tokens (one or two for 24 heads):
+//! each unit reads the even lane's entry of each of its pairs, and the cube's other rows of the
+//! same token find it in cache. A row's sums go through shared memory: every unit stores its
+//! partial sum, and after one barrier adds up its row's partials in the same order, so that the
+//! row's units agree on the sum. Slots past the last row (in the last cube, or in cubes added to
+//! fit the runtime's grid) compute on the last row, so that they reach the barrier, and store
+//! nothing.
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
@@ -33,15 +36,16 @@ use crate::cube::{array, contiguous_as, empty_like, vector_array, widest_vector}
 /// Units per cube at most: a cube holds as many whole rows as fit.
 pub const CUBE_UNITS: usize = 256;
 
-/// Where the unit works: the index of its vector in the rows (of its slot's row, or of the last
-/// row for a spare slot), the index of its first angle in the tables, and whether the slot holds
-/// a row. Slots run token by token: slot `s` is head `s mod heads` of token `s / heads`; a row
-/// of `dim` values is `dim / width` vectors, one per unit along x.
+/// Where the unit works: the index of its first vector in the rows (of its slot's row, or of
+/// the last row for a spare slot), the index of its token's angles in the tables, and whether
+/// the slot holds a row. Slots run token by token: slot `s` is head `s mod heads` of token
+/// `s / heads`; a row of `dim` values is `dim / width` vectors, `group` units of `spread`.
 #[cube]
 fn unit_place(
     rows: usize,
     tokens: usize,
     #[comptime] dim: usize,
+    #[comptime] rot: usize,
     #[comptime] width: usize,
 ) -> (usize, usize, bool) {
     let slot = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
@@ -51,11 +55,19 @@ fn unit_place(
     let token = slot / heads;
     let row = (slot % heads) * tokens + token;
     let unit = UNIT_POS_X as usize;
-    (
-        row * comptime!(dim / width) + unit,
-        token * dim + unit * width,
-        active,
-    )
+    (row * comptime!(dim / width) + unit, token * rot, active)
+}
+
+/// The index in a table row of the first angle of the unit's `k`-th vector: its lane in the
+/// row modulo the head's `rot` lanes.
+#[cube]
+fn lane(
+    k: usize,
+    #[comptime] group: usize,
+    #[comptime] rot: usize,
+    #[comptime] width: usize,
+) -> usize {
+    ((k * group + UNIT_POS_X as usize) * width) % rot
 }
 
 /// The sum of `value` over the `group` units of the unit's row (the units of one y position),
@@ -83,37 +95,47 @@ fn norm_rope_kernel<F: Float, N: Size>(
     tokens: usize,
     eps: f32,
     #[comptime] dim: usize,
+    #[comptime] rot: usize,
+    #[comptime] spread: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
-    let group = comptime!(dim / width);
+    let group = comptime!(dim / width / spread);
     let pairs = comptime!(width / 2);
     let unit = UNIT_POS_X as usize;
-    let (at, angles, active) = unit_place(rows, tokens, dim, width);
-    let values = x[at];
-    let weights = scale[unit];
+    let (first, angles, active) = unit_place(rows, tokens, dim, rot, width);
     let mut squares = 0.0f32;
     #[unroll]
-    for k in 0..width {
-        let v = f32::cast_from(values[k]);
-        squares += v * v;
+    for k in 0..spread {
+        let values = x[first + k * group];
+        #[unroll]
+        for c in 0..width {
+            let v = f32::cast_from(values[c]);
+            squares += v * v;
+        }
     }
     let mut shared = SharedMemory::<f32>::new(CUBE_UNITS);
     let total = row_sum(&mut shared, squares, group);
     let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(dim) + eps);
-    let mut turned = values;
     #[unroll]
-    for p in 0..pairs {
-        let c = 2 * p;
-        let n0 = f32::cast_from(values[c]) * inverse * f32::cast_from(weights[c]);
-        let n1 = f32::cast_from(values[c + 1]) * inverse * f32::cast_from(weights[c + 1]);
-        let co = cos[angles + c];
-        let si = sin[angles + c];
-        turned[c] = F::cast_from(n0 * co - n1 * si);
-        turned[c + 1] = F::cast_from(n1 * co + n0 * si);
-    }
-    if active {
-        out[at] = turned;
+    for k in 0..spread {
+        let values = x[first + k * group];
+        let weights = scale[k * group + unit];
+        let at = angles + lane(k, group, rot, width);
+        let mut turned = values;
+        #[unroll]
+        for p in 0..pairs {
+            let c = 2 * p;
+            let n0 = f32::cast_from(values[c]) * inverse * f32::cast_from(weights[c]);
+            let n1 = f32::cast_from(values[c + 1]) * inverse * f32::cast_from(weights[c + 1]);
+            let co = cos[at + c];
+            let si = sin[at + c];
+            turned[c] = F::cast_from(n0 * co - n1 * si);
+            turned[c + 1] = F::cast_from(n1 * co + n0 * si);
+        }
+        if active {
+            out[first + k * group] = turned;
+        }
     }
 }
 
@@ -153,53 +175,68 @@ fn norm_rope_backward_kernel<F: Float, N: Size>(
     tokens: usize,
     eps: f32,
     #[comptime] dim: usize,
+    #[comptime] rot: usize,
+    #[comptime] spread: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
-    let group = comptime!(dim / width);
+    let group = comptime!(dim / width / spread);
     let pairs = comptime!(width / 2);
     let unit = UNIT_POS_X as usize;
-    let (at, angles, active) = unit_place(rows, tokens, dim, width);
-    let values = x[at];
-    let gradient = grad[at];
-    let weights = scale[unit];
+    let (first, angles, active) = unit_place(rows, tokens, dim, rot, width);
     let mut squares = 0.0f32;
     let mut dot = 0.0f32;
     #[unroll]
-    for p in 0..pairs {
-        let c = 2 * p;
-        let (gn0, gn1) = turned_back(gradient, weights, cos, sin, angles + c, c);
-        let v0 = f32::cast_from(values[c]);
-        let v1 = f32::cast_from(values[c + 1]);
-        squares += v0 * v0 + v1 * v1;
-        dot += gn0 * v0 + gn1 * v1;
+    for k in 0..spread {
+        let values = x[first + k * group];
+        let gradient = grad[first + k * group];
+        let weights = scale[k * group + unit];
+        let at = angles + lane(k, group, rot, width);
+        #[unroll]
+        for p in 0..pairs {
+            let c = 2 * p;
+            let (gn0, gn1) = turned_back(gradient, weights, cos, sin, at + c, c);
+            let v0 = f32::cast_from(values[c]);
+            let v1 = f32::cast_from(values[c + 1]);
+            squares += v0 * v0 + v1 * v1;
+            dot += gn0 * v0 + gn1 * v1;
+        }
     }
     let mut shared_squares = SharedMemory::<f32>::new(CUBE_UNITS);
     let mut shared_dot = SharedMemory::<f32>::new(CUBE_UNITS);
     let inverse = 1.0f32
         / f32::sqrt(row_sum(&mut shared_squares, squares, group) / f32::cast_from(dim) + eps);
     let mean = row_sum(&mut shared_dot, dot, group) * inverse / f32::cast_from(dim);
-    let mut result = values;
     #[unroll]
-    for p in 0..pairs {
-        let c = 2 * p;
-        let (gn0, gn1) = turned_back(gradient, weights, cos, sin, angles + c, c);
-        let n0 = f32::cast_from(values[c]) * inverse;
-        let n1 = f32::cast_from(values[c + 1]) * inverse;
-        result[c] = F::cast_from(inverse * (gn0 - n0 * mean));
-        result[c + 1] = F::cast_from(inverse * (gn1 - n1 * mean));
-    }
-    if active {
-        dx[at] = result;
+    for k in 0..spread {
+        let values = x[first + k * group];
+        let gradient = grad[first + k * group];
+        let weights = scale[k * group + unit];
+        let at = angles + lane(k, group, rot, width);
+        let mut result = values;
+        #[unroll]
+        for p in 0..pairs {
+            let c = 2 * p;
+            let (gn0, gn1) = turned_back(gradient, weights, cos, sin, at + c, c);
+            let n0 = f32::cast_from(values[c]) * inverse;
+            let n1 = f32::cast_from(values[c + 1]) * inverse;
+            result[c] = F::cast_from(inverse * (gn0 - n0 * mean));
+            result[c + 1] = F::cast_from(inverse * (gn1 - n1 * mean));
+        }
+        if active {
+            dx[first + k * group] = result;
+        }
     }
 }
 
 /// How a launch lays rows on units and cubes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Geometry {
-    /// Values per unit, loaded as one vector: even, and a divisor of the row.
+    /// Values per vector: even, and a divisor of the tables' `rot` lanes.
     width: usize,
-    /// Units per row, `dim / width`.
+    /// Vectors per unit.
+    spread: usize,
+    /// Units per row, `dim / (width · spread)`.
     group: usize,
     /// Rows per cube.
     rows_per_cube: usize,
@@ -207,17 +244,24 @@ struct Geometry {
 
 impl Geometry {
     /// The widest vector `client` loads in one access for `dtype` that is even and divides
-    /// `dim`, and as many rows per cube as fit in [`CUBE_UNITS`] units.
-    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, dim: usize) -> Self {
-        let width = widest_vector(client, dtype, |w| w % 2 == 0 && dim.is_multiple_of(w))
-            .unwrap_or_else(|| panic!("no vector of whole pairs divides a row of {dim}"));
-        let group = dim / width;
-        assert!(
-            group <= CUBE_UNITS,
-            "a row of {dim} needs {group} units of {width} values, more than a cube's {CUBE_UNITS}"
-        );
+    /// `rot` (which divides `dim`), the fewest vectors per unit that fit a row in
+    /// [`CUBE_UNITS`] units, and as many rows per cube as fit.
+    fn new<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        dtype: DType,
+        dim: usize,
+        rot: usize,
+    ) -> Self {
+        let width = widest_vector(client, dtype, |w| w % 2 == 0 && rot.is_multiple_of(w))
+            .unwrap_or_else(|| panic!("no vector of whole pairs divides a head of {rot}"));
+        let vectors = dim / width;
+        let spread = (1..=vectors)
+            .find(|&s| vectors.is_multiple_of(s) && vectors / s <= CUBE_UNITS)
+            .expect("one vector per unit at most");
+        let group = vectors / spread;
         Self {
             width,
+            spread,
             group,
             rows_per_cube: CUBE_UNITS / group,
         }
@@ -245,29 +289,35 @@ struct Operands<R: CubeRuntime> {
     sin: CubeTensor<R>,
     rows: usize,
     dim: usize,
+    rot: usize,
     tokens: usize,
     geometry: Geometry,
 }
 
 impl<R: CubeRuntime> Operands<R> {
-    /// `x` `[..., tokens, dim]`, `scale` with `dim` values, `cos` and `sin` with `tokens · dim`
-    /// (every pair's value repeated for both its lanes).
+    /// `x` `[..., tokens, dim]`, `scale` with `dim` values, `cos` and `sin` `[tokens, rot]`
+    /// (every pair's value repeated for both its lanes; `rot` even and a divisor of `dim`).
     fn new(x: CubeTensor<R>, scale: CubeTensor<R>, cos: CubeTensor<R>, sin: CubeTensor<R>) -> Self {
         let shape = x.meta.shape().to_vec();
         let (tokens, dim) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+        let rot = *cos
+            .meta
+            .shape()
+            .last()
+            .expect("a rotary table of two dimensions");
         assert!(
-            dim > 0 && dim % 2 == 0,
-            "rotary pairs need an even head size, got {dim}"
+            rot > 0 && rot.is_multiple_of(2) && dim.is_multiple_of(rot),
+            "rotary pairs need an even head size dividing the row of {dim}, got {rot}"
         );
         assert_eq!(scale.meta.shape().num_elements(), dim, "norm scale size");
         for table in [&cos, &sin] {
             assert_eq!(
                 table.meta.shape().num_elements(),
-                tokens * dim,
+                tokens * rot,
                 "rotary table size"
             );
         }
-        let geometry = Geometry::new(&x.client, x.dtype, dim);
+        let geometry = Geometry::new(&x.client, x.dtype, dim, rot);
         Self {
             rows: shape.iter().product::<usize>() / dim,
             scale: contiguous_as(scale, x.dtype),
@@ -275,6 +325,7 @@ impl<R: CubeRuntime> Operands<R> {
             cos: contiguous_as(cos, DType::F32),
             sin: contiguous_as(sin, DType::F32),
             dim,
+            rot,
             tokens,
             geometry,
         }
@@ -292,7 +343,7 @@ impl<R: CubeRuntime> Operands<R> {
 }
 
 /// The RMS norm of each row of `x` (`[..., tokens, dim]`) times `scale`, rotated by the
-/// token's angles (`cos`, `sin`: `[tokens, dim]`).
+/// token's angles (`cos`, `sin`: `[tokens, rot]`, lane `c` by the angle of lane `c mod rot`).
 pub fn norm_rope<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: CubeTensor<R>,
@@ -320,6 +371,8 @@ pub fn norm_rope<R: CubeRuntime>(
         o.tokens,
         eps,
         o.dim,
+        o.rot,
+        o.geometry.spread,
         o.x.dtype.into(),
     );
     out
@@ -358,6 +411,8 @@ pub fn norm_rope_backward<R: CubeRuntime>(
         o.tokens,
         eps,
         o.dim,
+        o.rot,
+        o.geometry.spread,
         o.x.dtype.into(),
     );
     dx
@@ -369,18 +424,20 @@ mod tests {
     use burn::backend::Wgpu;
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
-    /// One row's output in f64.
+    /// One row's output in f64; lane `c` takes the angle of lane `c mod rot` of the tables.
     fn reference(x: &[f64], scale: &[f64], cos: &[f64], sin: &[f64], eps: f64) -> Vec<f64> {
         let inverse = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + eps).sqrt();
         let n: Vec<f64> = x.iter().zip(scale).map(|(v, s)| v * inverse * s).collect();
+        let rot = cos.len();
         (0..x.len())
             .map(|c| {
                 let pair = c - c % 2;
                 let (n0, n1) = (n[pair], n[pair + 1]);
+                let (co, si) = (cos[c % rot], sin[c % rot]);
                 if c % 2 == 0 {
-                    n0 * cos[c] - n1 * sin[c]
+                    n0 * co - n1 * si
                 } else {
-                    n1 * cos[c] + n0 * sin[c]
+                    n1 * co + n0 * si
                 }
             })
             .collect()
@@ -397,9 +454,9 @@ mod tests {
     }
 
     /// The kernels on a strided view of `[batch, heads, tokens, dim]` (made contiguous first)
-    /// against the formula in f64, and the gradient of `Σ grad ∘ out` against its central
-    /// differences; returns the launch's geometry.
-    fn check(batch: usize, heads: usize, tokens: usize, dim: usize) -> Geometry {
+    /// with tables of `rot` lanes against the formula in f64, and the gradient of
+    /// `Σ grad ∘ out` against its central differences; returns the launch's geometry.
+    fn check(batch: usize, heads: usize, tokens: usize, dim: usize, rot: usize) -> Geometry {
         let device = Default::default();
         let eps = 1e-6;
         let normal = Distribution::Normal(0.0, 1.5);
@@ -407,10 +464,10 @@ mod tests {
             Tensor::<Wgpu, 4>::random([batch, tokens, heads, dim], normal, &device).swap_dims(1, 2);
         let scale = Tensor::<Wgpu, 1>::random([dim], Distribution::Uniform(0.5, 1.5), &device);
         let angles =
-            Tensor::<Wgpu, 2>::random([tokens, dim / 2], Distribution::Uniform(-3.0, 3.0), &device)
+            Tensor::<Wgpu, 2>::random([tokens, rot / 2], Distribution::Uniform(-3.0, 3.0), &device)
                 .unsqueeze_dim::<3>(2)
                 .repeat_dim(2, 2)
-                .reshape([tokens, dim]);
+                .reshape([tokens, rot]);
         let (cos, sin) = (angles.clone().cos(), angles.sin());
         let grad =
             Tensor::<Wgpu, 4>::random([batch, heads, tokens, dim], Distribution::Default, &device);
@@ -423,7 +480,7 @@ mod tests {
         );
         let prim = |t: Tensor<Wgpu, 2>| t.into_primitive().tensor();
         let x = x.into_primitive().tensor();
-        let geometry = Geometry::new(&x.client, x.dtype, dim);
+        let geometry = Geometry::new(&x.client, x.dtype, dim, rot);
         let out = from(norm_rope(
             x.clone(),
             scale.clone().into_primitive().tensor(),
@@ -442,7 +499,7 @@ mod tests {
         for row in 0..batch * heads * tokens {
             let t = row % tokens;
             let at = |v: &[f64]| v[row * dim..][..dim].to_vec();
-            let table = |v: &[f64]| v[t * dim..][..dim].to_vec();
+            let table = |v: &[f64]| v[t * rot..][..rot].to_vec();
             let (xr, cr, nr, gr) = (at(&xs), table(&cs), table(&ns), at(&gs));
             let want = reference(&xr, &ss, &cr, &nr, eps);
             let loss = |x: &[f64]| -> f64 {
@@ -477,8 +534,8 @@ mod tests {
     /// Rows of 8 values, and rows of 6, which take vectors of 2 values (one pair per unit).
     #[test]
     fn short_rows_match_float64() {
-        check(1, 3, 5, 8);
-        let geometry = check(1, 2, 3, 6);
+        check(1, 3, 5, 8, 8);
+        let geometry = check(1, 2, 3, 6, 6);
         assert_eq!((geometry.width, geometry.group), (2, 3));
     }
 
@@ -487,7 +544,7 @@ mod tests {
     #[test]
     fn head_sizes_64_and_128_match_float64() {
         for (batch, heads, tokens, dim) in [(1, 5, 9, 64), (2, 3, 7, 128)] {
-            let geometry = check(batch, heads, tokens, dim);
+            let geometry = check(batch, heads, tokens, dim, dim);
             let rows = batch * heads * tokens;
             assert!(geometry.width >= 2 && geometry.group > 1, "{geometry:?}");
             assert!(
@@ -495,5 +552,17 @@ mod tests {
                 "{rows} rows fill whole cubes of {geometry:?}"
             );
         }
+    }
+
+    /// Rows of all heads together (Wan's norm across heads): rows wider than a cube's units
+    /// take several vectors per unit, and each head of 8 or 128 lanes its token's angles.
+    #[test]
+    fn rows_across_heads_match_float64() {
+        check(1, 2, 3, 48, 8);
+        let geometry = check(2, 1, 3, 2560, 128);
+        assert!(
+            geometry.spread > 1 && geometry.rows_per_cube == 1,
+            "{geometry:?}"
+        );
     }
 }

@@ -15,7 +15,9 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use crate::cuda::flash_plan::{TILE, backward_shared, backward_stages, forward_shared};
+use crate::cuda::flash_plan::{
+    TILE, backward_shared, backward_stages, forward_query_tiles, forward_rows, forward_shared,
+};
 use crate::cuda::order::ordered;
 use crate::cuda::{SideContext, address, compile_module, compute_capability};
 use crate::error::{KernelError, fell_back};
@@ -43,6 +45,8 @@ pub(crate) struct FlashKernels {
     delta: CudaFunction,
     backward: CudaFunction,
     dq: CudaFunction,
+    /// Query tiles per warp of `forward`, as compiled for this device.
+    query_tiles: usize,
     /// Dynamic shared memory of `backward`, as compiled for this device.
     backward_shared: usize,
 }
@@ -62,13 +66,12 @@ impl FlashKernels {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(KernelError::device("reading the shared memory per block"))?
             as usize;
-        let stages = backward_stages(head_dim, shared)
-            .filter(|_| forward_shared(head_dim) <= shared)
-            .ok_or_else(|| {
-                KernelError::Unsupported(format!(
-                    "{shared} bytes of shared memory per block are too few"
-                ))
-            })?;
+        let plan = backward_stages(head_dim, shared).zip(forward_query_tiles(head_dim, shared));
+        let (stages, query_tiles) = plan.ok_or_else(|| {
+            KernelError::Unsupported(format!(
+                "{shared} bytes of shared memory per block are too few"
+            ))
+        })?;
         let module = compile_module(
             ctx,
             "flash_attention.cu",
@@ -76,6 +79,7 @@ impl FlashKernels {
             vec![
                 format!("-DHEAD_DIM={head_dim}"),
                 format!("-DSTAGES={stages}"),
+                format!("-DQUERY_TILES={query_tiles}"),
                 "--std=c++17".into(),
             ],
         )?;
@@ -94,10 +98,11 @@ impl FlashKernels {
         };
         let backward_bytes = backward_shared(head_dim, stages);
         Ok(Self {
-            forward: function("flash_forward", forward_shared(head_dim))?,
+            forward: function("flash_forward", forward_shared(head_dim, query_tiles))?,
             delta: function("flash_backward_delta", 0)?,
             backward: function("flash_backward", backward_bytes)?,
             dq: function("flash_backward_dq", 0)?,
+            query_tiles,
             backward_shared: backward_bytes,
             stream,
         })
@@ -133,8 +138,9 @@ fn aligned_address(
     address(client, handle).filter(|ptr| ptr % 16 == 0)
 }
 
-fn blocks(rows: usize) -> u32 {
-    rows.div_ceil(TILE) as u32
+/// Blocks of `per_block` rows that cover `rows`.
+fn blocks(rows: usize, per_block: usize) -> u32 {
+    rows.div_ceil(per_block) as u32
 }
 
 /// The checked shapes of one attention call: `q` `[b, h, lq, d]`, `k` and `v` `[b, h, lk, d]`.
@@ -260,9 +266,13 @@ pub(crate) fn forward(
         // extents `Problem` checked, `out` and `lse` were allocated for them.
         unsafe {
             launch.launch(LaunchConfig {
-                grid_dim: (blocks(len_q), (batch * heads) as u32, 1),
+                grid_dim: (
+                    blocks(len_q, forward_rows(kernels.query_tiles)),
+                    (batch * heads) as u32,
+                    1,
+                ),
                 block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: forward_shared(head_dim) as u32,
+                shared_mem_bytes: forward_shared(head_dim, kernels.query_tiles) as u32,
             })
         }
         .map(drop)
@@ -390,7 +400,7 @@ pub(crate) fn backward(
         // allocated for the extents `Problem` checked.
         unsafe {
             launch.launch(LaunchConfig {
-                grid_dim: (blocks(len_k), (batch * heads) as u32, 1),
+                grid_dim: (blocks(len_k, TILE), (batch * heads) as u32, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: kernels.backward_shared as u32,
             })

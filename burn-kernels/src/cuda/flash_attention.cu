@@ -3,13 +3,16 @@
 // of 64 keys (the score matrix is never stored); products on tensor cores with mma.sync
 // m16n8k16 (bf16 in, f32 accumulate), operands read from shared memory by ldmatrix, tiles
 // brought in by cp.async one step ahead of their use. Compiled at run time by NVRTC with
-// -DHEAD_DIM=64 or 128 and -DSTAGES=1 or 2 (the backward's query tiles single or double
-// buffered, as the device's shared memory allows), for compute capability 8.0 or later.
+// -DHEAD_DIM=64 or 128, -DQUERY_TILES=1 or 2 (the forward's query tiles per warp) and
+// -DSTAGES=1 or 2 (the backward's query tiles single or double buffered), as the device's shared
+// memory allows, for compute capability 8.0 or later.
 //
-// Forward: one block of 4 warps per 64 query rows; each warp owns 16 rows and keeps its scores,
-// probabilities and output accumulator in registers (an accumulator tile of one product has the
-// layout of the next product's left operand). It writes the output and the row's log-sum-exp
-// (base 2, in units of scale · log2 e · q·k).
+// Forward: one block of 4 warps per 64 · QUERY_TILES query rows; each warp owns QUERY_TILES
+// tiles of 16 rows and keeps their scores, probabilities and output accumulators in registers
+// (an accumulator tile of one product has the layout of the next product's left operand), so
+// that each fragment of K and V read from shared memory feeds the products of all its tiles;
+// the queries stay in shared memory, read once per k-step. It writes the output and the row's log-sum-exp (base 2, in
+// units of scale · log2 e · q·k).
 // Backward: one block per 64 keys; each warp owns 16 keys, walks all query tiles, recomputes
 // the transposed probabilities from the log-sum-exp, accumulates dK and dV in registers and adds
 // dQ into an f32 buffer with atomics.
@@ -26,9 +29,11 @@ typedef __nv_bfloat16 bf16;
 
 constexpr int D = HEAD_DIM;
 constexpr int STAGES_ = STAGES;    // query-tile buffers of the backward
-constexpr int TILE = 64;           // query rows per forward block, key rows per backward block
+constexpr int TILE = 64;           // keys per forward step; keys and queries per backward step
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
+constexpr int QT = QUERY_TILES;    // 16-row query tiles per warp in the forward
+constexpr int ROWS = WARPS * 16 * QT; // query rows per forward block
 constexpr int LD = D + 8;          // shared row stride of a [TILE][D] tile: rows 16 bytes apart in
                                    // the banks, so ldmatrix reads 8 rows without conflicts
 constexpr int TILE_ELEMS = TILE * LD;
@@ -96,11 +101,12 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, bool vali
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_all;\n" ::); }
 
-// Starts copying TILE rows of D values from global memory (rows `stride` apart) into a
-// [TILE][LD] tile; rows from `valid` on become zeros. The caller checks 16-byte alignment.
+// Starts copying R rows of D values from global memory (rows `stride` apart) into a [R][LD]
+// tile; rows from `valid` on become zeros. The caller checks 16-byte alignment.
+template <int R = TILE>
 __device__ void load_tile(bf16* dst, const bf16* src, long long stride, int valid) {
     constexpr int CHUNKS = D / 8;
-    for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
+    for (int i = threadIdx.x; i < R * CHUNKS; i += THREADS) {
         const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
         const bool live = r < valid;
         copy_async<16>(dst + r * LD + c, live ? src + r * stride + c : src, live);
@@ -178,38 +184,42 @@ flash_forward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16
               bf16* __restrict__ out, float* __restrict__ lse, int heads, int len_q, int len_k,
               Strides qs, Strides ks, Strides vs, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16* sk = reinterpret_cast<bf16*>(smem);  // [2][TILE][LD], double buffered
+    bf16* sq = reinterpret_cast<bf16*>(smem);  // [ROWS][LD], the query rows
+    bf16* sk = sq + ROWS * LD;                 // [2][TILE][LD], double buffered
     bf16* sv = sk + 2 * TILE_ELEMS;            // [2][TILE][LD]
-    bf16* sq = sk + TILE_ELEMS;                // the query tile, in K's second buffer until read
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
     const int bh = blockIdx.y, b = bh / heads, h = bh % heads;
-    const int q0 = blockIdx.x * TILE;
+    const int q0 = blockIdx.x * ROWS;
     const bf16* kp = k + b * ks.batch + h * ks.head;
     const bf16* vp = v + b * vs.batch + h * vs.head;
-    load_tile(sq, q + b * qs.batch + h * qs.head + q0 * qs.row, qs.row, min(TILE, len_q - q0));
+    load_tile<ROWS>(sq, q + b * qs.batch + h * qs.head + q0 * qs.row, qs.row,
+                    min(ROWS, len_q - q0));
     load_tile(sk, kp, ks.row, min(TILE, len_k));
     load_tile(sv, vp, vs.row, min(TILE, len_k));
     copies_commit();
 
-    unsigned qf[DSTEPS][4];
-    float o[DCOLS][4], s[TCOLS][4];
+    // Tile m of the warp holds rows (warp · QT + m) · 16 onwards of the block's.
+    const bf16* q_w = sq + warp * QT * 16 * LD;
+    float o[QT][DCOLS][4], s[QT][TCOLS][4];
 #pragma unroll
-    for (int n = 0; n < DCOLS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    // Rows g and g + 8 of the warp: running maximum and this lane's share of the running sum.
-    float run_max[2] = {NEG_INF, NEG_INF}, sum[2] = {0.0f, 0.0f};
+    for (int m = 0; m < QT; ++m)
+#pragma unroll
+        for (int n = 0; n < DCOLS; ++n) o[m][n][0] = o[m][n][1] = o[m][n][2] = o[m][n][3] = 0.0f;
+    // Rows g and g + 8 of each tile: running maximum and this lane's share of the running sum.
+    float run_max[QT][2], sum[QT][2];
+#pragma unroll
+    for (int m = 0; m < QT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            run_max[m][r] = NEG_INF;
+            sum[m][r] = 0.0f;
+        }
 
     const int tiles = (len_k + TILE - 1) / TILE;
     for (int j = 0; j < tiles; ++j) {
         copies_wait();
         __syncthreads();
-        if (j == 0) {
-#pragma unroll
-            for (int s_ = 0; s_ < DSTEPS; ++s_)
-                ldmatrix(qf[s_], sq + (warp * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD + s_ * 16 +
-                                     (lane / 16) * 8);
-            __syncthreads();
-        }
         if (j + 1 < tiles) {
             const int next = (j + 1) * TILE, buffer = (j + 1) % 2;
             load_tile(sk + buffer * TILE_ELEMS, kp + next * ks.row, ks.row, min(TILE, len_k - next));
@@ -220,66 +230,102 @@ flash_forward(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16
         const bf16* vb = sv + (j % 2) * TILE_ELEMS;
 
 #pragma unroll
-        for (int n = 0; n < TCOLS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        for (int m = 0; m < QT; ++m)
+#pragma unroll
+            for (int n = 0; n < TCOLS; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
 #pragma unroll
         for (int s_ = 0; s_ < DSTEPS; ++s_) {
+            unsigned qa[QT][4];
+#pragma unroll
+            for (int m = 0; m < QT; ++m)
+                ldmatrix(qa[m], q_w + (m * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD + s_ * 16 +
+                                    (lane / 16) * 8);
 #pragma unroll
             for (int n = 0; n < TCOLS; n += 2) {
                 unsigned fb[4];
                 ldmatrix(fb, kb + (n * 8 + lane % 8 + (lane / 16) * 8) * LD + s_ * 16 +
                                  (lane / 8 % 2) * 8);
-                mma(s[n], qf[s_], fb[0], fb[1]);
-                mma(s[n + 1], qf[s_], fb[2], fb[3]);
+#pragma unroll
+                for (int m = 0; m < QT; ++m) {
+                    mma(s[m][n], qa[m], fb[0], fb[1]);
+                    mma(s[m][n + 1], qa[m], fb[2], fb[3]);
+                }
             }
         }
 
         const int valid = len_k - j * TILE;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float tile_max = NEG_INF;
+        for (int m = 0; m < QT; ++m)
 #pragma unroll
-            for (int n = 0; n < TCOLS; ++n)
+            for (int r = 0; r < 2; ++r) {
+                float tile_max = NEG_INF;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float x = n * 8 + 2 * t + e < valid ? s[n][2 * r + e] * scale_log2 : NEG_INF;
-                    s[n][2 * r + e] = x;
-                    tile_max = fmaxf(tile_max, x);
+                for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x =
+                            n * 8 + 2 * t + e < valid ? s[m][n][2 * r + e] * scale_log2 : NEG_INF;
+                        s[m][n][2 * r + e] = x;
+                        tile_max = fmaxf(tile_max, x);
+                    }
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+                const float new_max = fmaxf(run_max[m][r], tile_max);
+                const float factor = exp2f(run_max[m][r] - new_max);
+                run_max[m][r] = new_max;
+                float tile_sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < TCOLS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = exp2f(s[m][n][2 * r + e] - new_max);
+                        s[m][n][2 * r + e] = p;
+                        tile_sum += p;
+                    }
+                sum[m][r] = sum[m][r] * factor + tile_sum;
+#pragma unroll
+                for (int n = 0; n < DCOLS; ++n) {
+                    o[m][n][2 * r] *= factor;
+                    o[m][n][2 * r + 1] *= factor;
                 }
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-            const float new_max = fmaxf(run_max[r], tile_max);
-            const float factor = exp2f(run_max[r] - new_max);
-            run_max[r] = new_max;
-            float tile_sum = 0.0f;
+            }
+
+        // o += p · v, each V fragment feeding both tiles.
 #pragma unroll
-            for (int n = 0; n < TCOLS; ++n)
+        for (int s_ = 0; s_ < TSTEPS; ++s_) {
+            unsigned pa[QT][4];
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[n][2 * r + e] - new_max);
-                    s[n][2 * r + e] = p;
-                    tile_sum += p;
+            for (int m = 0; m < QT; ++m) left_from(pa[m], s[m], s_);
+#pragma unroll
+            for (int n = 0; n < DCOLS; n += 2) {
+                unsigned fb[4];
+                ldmatrix_t(fb, vb + (s_ * 16 + lane % 8 + (lane / 8 % 2) * 8) * LD + n * 8 +
+                                   (lane / 16) * 8);
+#pragma unroll
+                for (int m = 0; m < QT; ++m) {
+                    mma(o[m][n], pa[m], fb[0], fb[1]);
+                    mma(o[m][n + 1], pa[m], fb[2], fb[3]);
                 }
-            sum[r] = sum[r] * factor + tile_sum;
-#pragma unroll
-            for (int n = 0; n < DCOLS; ++n) {
-                o[n][2 * r] *= factor;
-                o[n][2 * r + 1] *= factor;
             }
         }
-        accumulate(o, s, vb);
     }
 
-    const int g = lane / 4, first = q0 + warp * 16;
-    float inverse[2];
+    const int g = lane / 4;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 1);
-        sum[r] += __shfl_xor_sync(0xffffffff, sum[r], 2);
-        inverse[r] = 1.0f / sum[r];
-        const int row = first + g + 8 * r;
-        if (t == 0 && row < len_q) lse[(long long)bh * len_q + row] = run_max[r] + log2f(sum[r]);
+    for (int m = 0; m < QT; ++m) {
+        const int first = q0 + (warp * QT + m) * 16;
+        float inverse[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            sum[m][r] += __shfl_xor_sync(0xffffffff, sum[m][r], 1);
+            sum[m][r] += __shfl_xor_sync(0xffffffff, sum[m][r], 2);
+            inverse[r] = 1.0f / sum[m][r];
+            const int row = first + g + 8 * r;
+            if (t == 0 && row < len_q)
+                lse[(long long)bh * len_q + row] = run_max[m][r] + log2f(sum[m][r]);
+        }
+        store_rows(out + ((long long)bh * len_q + first) * D, o[m], inverse, len_q - first);
     }
-    store_rows(out + ((long long)bh * len_q + first) * D, o, inverse, len_q - first);
 }
 
 // delta[row] = Σ dout[row] ∘ out[row], one warp per row (out contiguous, dout strided).

@@ -3,7 +3,8 @@
 //! a device with a given per-block limit. Pure, so the CPU tests check it against the limits of
 //! real GPUs.
 
-/// Query rows per forward block and key rows per backward block (`TILE` in the source).
+/// Keys per forward step, keys and queries per backward step (`TILE` in the source); also the
+/// query rows of one tile per warp across a block's four warps.
 pub const TILE: usize = 64;
 
 /// Bytes of one bf16 `[TILE][d + 8]` tile in shared memory (rows padded by 16 bytes).
@@ -11,10 +12,24 @@ fn tile_bytes(d: usize) -> usize {
     TILE * (d + 8) * 2
 }
 
-/// Bytes of dynamic shared memory the forward kernel uses for head size `d`: K and V, double
-/// buffered (the query tile borrows K's second buffer until it is in registers).
-pub fn forward_shared(d: usize) -> usize {
-    4 * tile_bytes(d)
+/// Query rows per forward block with `query_tiles` tiles of 16 rows per warp.
+pub fn forward_rows(query_tiles: usize) -> usize {
+    query_tiles * TILE
+}
+
+/// Bytes of dynamic shared memory the forward kernel uses for head size `d` and
+/// `query_tiles` tiles per warp: the block's query rows, and K and V double buffered.
+pub fn forward_shared(d: usize, query_tiles: usize) -> usize {
+    (query_tiles + 4) * tile_bytes(d)
+}
+
+/// Query tiles per warp for the forward kernel (`QUERY_TILES` in the source): two, so that each
+/// K and V fragment feeds twice the products, where a block may use that much shared memory,
+/// else one; `None` when even one does not fit.
+pub fn forward_query_tiles(d: usize, shared_per_block: usize) -> Option<usize> {
+    [2, 1]
+        .into_iter()
+        .find(|&tiles| forward_shared(d, tiles) <= shared_per_block)
 }
 
 /// Bytes of dynamic shared memory the backward kernel uses for head size `d` with `stages`
@@ -45,7 +60,8 @@ mod tests {
     #[test]
     fn byte_counts_follow_the_kernel_layout() {
         // Head 128: tiles of 64 × 136 bf16 (17,408 B), dS 64 × 72 bf16, f32 rows of 64.
-        assert_eq!(forward_shared(128), 4 * 17_408);
+        assert_eq!(forward_shared(128, 2), 6 * 17_408);
+        assert_eq!(forward_rows(2), 128);
         assert_eq!(backward_shared(128, 2), 6 * 17_408 + 9_216 + 4 * 256);
         assert_eq!(backward_shared(128, 1), 4 * 17_408 + 9_216 + 2 * 256);
         // Head 64: tiles of 64 × 72 bf16.
@@ -57,11 +73,16 @@ mod tests {
         for d in [64, 128] {
             assert_eq!(backward_stages(d, H100_H200), Some(2));
             assert_eq!(backward_stages(d, A100), Some(2));
-            assert!(forward_shared(d) <= RTX_3090_4090);
+            assert_eq!(forward_query_tiles(d, H100_H200), Some(2));
+            assert_eq!(forward_query_tiles(d, A100), Some(2));
         }
-        // Two buffers at head 128 need 112 KB: more than a 4090 gives one block.
+        // Two buffers at head 128 need 112 KB, two query tiles 104 KB: more than a 4090 gives
+        // one block.
         assert_eq!(backward_stages(128, RTX_3090_4090), Some(1));
+        assert_eq!(forward_query_tiles(128, RTX_3090_4090), Some(1));
         assert_eq!(backward_stages(64, RTX_3090_4090), Some(2));
+        assert_eq!(forward_query_tiles(64, RTX_3090_4090), Some(2));
         assert_eq!(backward_stages(128, 48 * 1024), None);
+        assert_eq!(forward_query_tiles(128, 48 * 1024), None);
     }
 }

@@ -90,12 +90,22 @@ fn gelu_parts(v: f32) -> (f32, f32, f32) {
     )
 }
 
-/// A row's mean and `1 / √(var + eps)`.
-fn row_statistics(x: &[f32], eps: f32) -> (f32, f32) {
+/// A row's mean (zero where not `centered`) and `1 / √(var + eps)`, the variance taken about
+/// that mean.
+fn row_statistics(x: &[f32], eps: f32, centered: bool) -> (f32, f32) {
     let n = x.len() as f32;
-    let mean = x.iter().sum::<f32>() / n;
+    let mean = if centered {
+        x.iter().sum::<f32>() / n
+    } else {
+        0.0
+    };
     let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
     (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Whether the norm `op` subtracts the row's mean (layer norm) or not (RMS norm).
+fn centered(op: UnaryOp) -> bool {
+    matches!(op, UnaryOp::LayerNorm { .. })
 }
 
 /// `op` on `x`.
@@ -106,8 +116,8 @@ fn unary(op: UnaryOp, x: &FloatTensor<Flex>) -> FloatTensor<Flex> {
                 *o = v * gelu_parts(v).0;
             }
         }
-        UnaryOp::LayerNorm { eps } => {
-            let (mean, inverse) = row_statistics(x, eps);
+        UnaryOp::LayerNorm { eps } | UnaryOp::RmsNorm { eps } => {
+            let (mean, inverse) = row_statistics(x, eps, centered(op));
             for (o, &v) in out.iter_mut().zip(x) {
                 *o = (v - mean) * inverse;
             }
@@ -128,10 +138,14 @@ fn unary_backward(
                 *o = g * (s + 2.0 * v * s * s_complement * dz);
             }
         }
-        UnaryOp::LayerNorm { eps } => {
-            let (mean, inverse) = row_statistics(x, eps);
+        UnaryOp::LayerNorm { eps } | UnaryOp::RmsNorm { eps } => {
+            let (mean, inverse) = row_statistics(x, eps, centered(op));
             let n = x.len() as f32;
-            let grad_mean = g.iter().sum::<f32>() / n;
+            let grad_mean = if centered(op) {
+                g.iter().sum::<f32>() / n
+            } else {
+                0.0
+            };
             let dot_mean = g
                 .iter()
                 .zip(x)

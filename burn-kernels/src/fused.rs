@@ -24,6 +24,11 @@ pub enum UnaryOp {
         /// Added to the variance.
         eps: f32,
     },
+    /// RMS norm over the last dimension without a learned scale, `x / √(mean(x²) + eps)`.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
 }
 
 /// The operands of one fused RMS norm and rotary embedding.

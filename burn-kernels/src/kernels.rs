@@ -1,5 +1,5 @@
 //! [`Kernels`], the bound model code puts on its backend, and the entry points it calls:
-//! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm_rope`] return the fused result, or
+//! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm`], [`rms_norm_rope`] return the fused result, or
 //! `None` where the backend, the operands or the installed [`KernelOptions`] leave the op to
 //! separate ops, which the caller then writes out; [`linear`] and [`linear_add`] run Burn's
 //! linear where the vendor BLAS does not take the product.
@@ -164,6 +164,13 @@ pub fn gelu_tanh<B: Kernels, const D: usize>(x: &Tensor<B, D>) -> Option<Tensor<
 /// (one more for its gradient) and returned in `x`'s dtype; `None` as for [`gelu_tanh`].
 pub fn layer_norm<B: Kernels, const D: usize>(x: &Tensor<B, D>, eps: f64) -> Option<Tensor<B, D>> {
     unary(UnaryOp::LayerNorm { eps: eps as f32 }, x)
+}
+
+/// RMS norm over the last dimension without a learned scale, `x / √(mean(x²) + eps)`, computed
+/// in f32 in one kernel (one more for its gradient) and returned in `x`'s dtype; `None` as for
+/// [`gelu_tanh`].
+pub fn rms_norm<B: Kernels, const D: usize>(x: &Tensor<B, D>, eps: f64) -> Option<Tensor<B, D>> {
+    unary(UnaryOp::RmsNorm { eps: eps as f32 }, x)
 }
 
 fn unary<B: Kernels, const D: usize>(op: UnaryOp, x: &Tensor<B, D>) -> Option<Tensor<B, D>> {

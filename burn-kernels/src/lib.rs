@@ -4,7 +4,7 @@
 //! the vendor BLAS.
 //!
 //! Model code puts [`Kernels`] on its backend and calls [`attention`], [`gelu_tanh`],
-//! [`layer_norm`] and [`rms_norm_rope`]; each returns `None` where the backend, the operands or
+//! [`layer_norm`], [`rms_norm`] and [`rms_norm_rope`]; each returns `None` where the backend, the operands or
 //! the options leave the op to separate ops, which the caller then writes out. The bound is
 //! Burn's custom-kernel pattern: a backend that computes implements [`FusedOps`] (Burn's
 //! `Flex`, CUDA and wgpu backends here; decorators such as burn-offload's `Offload` forward to
@@ -66,6 +66,7 @@ pub use counters::{KernelCounters, counters};
 pub use error::{KernelError, fell_back};
 pub use fused::{ConvGrad, FusedOps, NoKernel, NormRope, UnaryOp};
 pub use kernels::{
-    Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm_rope, trainable,
+    Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm, rms_norm_rope,
+    trainable,
 };
 pub use options::{BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};

@@ -9,13 +9,18 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor, TensorData, Tolerance};
 use burn_kernels::{
-    KernelOptions, Kernels, attention, counters, gelu_tanh, layer_norm, rms_norm_rope,
+    KernelOptions, Kernels, attention, counters, gelu_tanh, layer_norm, rms_norm, rms_norm_rope,
 };
 
 /// GELU (tanh) written as separate ops.
 fn gelu_reference<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
     let inner = (x.clone() + x.clone() * x.clone() * x.clone() * 0.044715) * 0.797_884_560_8;
     x * (inner.tanh() + 1.0) * 0.5
+}
+
+/// RMS norm written as separate ops.
+fn rms_norm_reference<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
+    x.clone() / (x.square().mean_dim(1) + 1e-6).sqrt()
 }
 
 /// Layer norm written as separate ops.
@@ -46,6 +51,7 @@ fn fused_matches_separate<B: AutodiffBackend + Kernels>() {
             |x| layer_norm(x, 1e-6),
             layer_norm_reference::<B>,
         ),
+        ("rms_norm", |x| rms_norm(x, 1e-6), rms_norm_reference::<B>),
     ] {
         let x = Tensor::<B, 2>::from_data(data.clone(), &device).require_grad();
         let before = counters();
@@ -112,6 +118,7 @@ fn options_switch_paths_off_for_the_installing_thread_only() {
         let _off = off.install();
         assert!(gelu_tanh(&x).is_none());
         assert!(layer_norm(&x, 1e-6).is_none());
+        assert!(rms_norm(&x, 1e-6).is_none());
         let other = std::thread::spawn(|| {
             let x = Tensor::<Flex, 1>::from_data([1.0f32], &Default::default());
             gelu_tanh(&x).is_some()

@@ -18,7 +18,9 @@ pub fn layer_norm<B: Kernels, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tens
 }
 
 /// RMS norm with a learned scale: `x / √(mean(x²) + eps) · scale`; the normalized value is
-/// rounded to the input dtype before the scale multiplies it.
+/// rounded to the input dtype before the scale multiplies it. The norm is one fused kernel each
+/// way where [`burn_kernels::rms_norm`] has one (unless the installed `KernelOptions` switch it
+/// off), elsewhere separate ops.
 ///
 /// # Shapes
 /// - `x`: `[..., dim]`
@@ -28,6 +30,9 @@ pub fn rms_norm<B: Kernels, const D: usize>(
     scale: Tensor<B, 1>,
     eps: f64,
 ) -> Tensor<B, D> {
+    if let Some(normalized) = burn_kernels::rms_norm(&x, eps) {
+        return normalized * scale.unsqueeze::<D>();
+    }
     let dtype = x.dtype();
     let x = x.cast(DType::F32);
     let rms = (x.clone().square().mean_dim(D - 1) + eps).sqrt();

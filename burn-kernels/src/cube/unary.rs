@@ -1,6 +1,7 @@
 //! The fused ops of one tensor ([`UnaryOp`]) as CubeCL kernels, one each way, for any CubeCL
 //! runtime; computed in f32 and stored in the tensor's dtype. The mechanism behind
-//! [`gelu_tanh`](crate::gelu_tanh) and [`layer_norm`](crate::layer_norm); tested on wgpu (f32),
+//! [`gelu_tanh`](crate::gelu_tanh), [`layer_norm`](crate::layer_norm) and
+//! [`rms_norm`](crate::rms_norm); tested on wgpu (f32),
 //! run on CUDA (bf16).
 //!
 //! GELU (tanh), `y = x/2 · (1 + tanh(z))`, `z = √(2/π) · (x + 0.044715 x³)`: as separate ops
@@ -13,9 +14,10 @@
 //! values on CUDA, 4 f32 values) that divides the tensor's size, down to one value per unit
 //! when no wider vector does.
 //!
-//! Layer norm: one cube of [`ROW_UNITS`] units per row, the sums reduced in shared memory; the
-//! forward reads the row three times (mean, centered variance, output) and the backward four,
-//! from cache after the first.
+//! Layer norm and RMS norm (the same kernels, the mean left out): one cube of [`ROW_UNITS`]
+//! units per row, the sums reduced in shared memory; the forward reads the row three times
+//! (mean, centered variance, output; RMS norm twice) and the backward four, from cache after
+//! the first.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -107,7 +109,8 @@ fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
     total
 }
 
-/// A row's mean and `1 / √(var + eps)`, the variance of the centered values.
+/// A row's mean (zero where not `centered`) and `1 / √(var + eps)`, the variance taken about
+/// that mean.
 #[cube]
 fn row_statistics<F: Float>(
     x: &Array<F>,
@@ -115,13 +118,17 @@ fn row_statistics<F: Float>(
     base: usize,
     dim: usize,
     eps: f32,
+    #[comptime] centered: bool,
 ) -> (f32, f32) {
     let unit = UNIT_POS_X as usize;
-    let mut sum = 0.0f32;
-    for c in range_stepped(unit, dim, ROW_UNITS) {
-        sum += f32::cast_from(x[base + c]);
+    let mut mean = 0.0f32;
+    if centered {
+        let mut sum = 0.0f32;
+        for c in range_stepped(unit, dim, ROW_UNITS) {
+            sum += f32::cast_from(x[base + c]);
+        }
+        mean = cube_sum(shared, sum) / f32::cast_from(dim);
     }
-    let mean = cube_sum(shared, sum) / f32::cast_from(dim);
     let mut squares = 0.0f32;
     for c in range_stepped(unit, dim, ROW_UNITS) {
         let v = f32::cast_from(x[base + c]) - mean;
@@ -131,35 +138,39 @@ fn row_statistics<F: Float>(
     (mean, 1.0f32 / f32::sqrt(variance + eps))
 }
 
+/// Layer norm where `centered`, else RMS norm.
 #[cube(launch)]
-fn layer_norm_kernel<F: Float>(
+fn row_norm_kernel<F: Float>(
     x: &Array<F>,
     y: &mut Array<F>,
     dim: usize,
     eps: f32,
+    #[comptime] centered: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let base = CUBE_POS_X as usize * dim;
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS);
-    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps);
+    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps, centered);
     for c in range_stepped(UNIT_POS_X as usize, dim, ROW_UNITS) {
         y[base + c] = F::cast_from((f32::cast_from(x[base + c]) - mean) * inverse);
     }
 }
 
-/// `dx = inverse · (g − mean(g) − n · mean(g ∘ n))`, `n` the normalized row.
+/// `dx = inverse · (g − mean(g) − n · mean(g ∘ n))`, `n` the normalized row; without the
+/// `mean(g)` term where not `centered` (RMS norm).
 #[cube(launch)]
-fn layer_norm_backward_kernel<F: Float>(
+fn row_norm_backward_kernel<F: Float>(
     x: &Array<F>,
     grad: &Array<F>,
     dx: &mut Array<F>,
     dim: usize,
     eps: f32,
+    #[comptime] centered: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let base = CUBE_POS_X as usize * dim;
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS);
-    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps);
+    let (mean, inverse) = row_statistics(x, &mut shared, base, dim, eps, centered);
     let unit = UNIT_POS_X as usize;
     let mut sum = 0.0f32;
     let mut dot = 0.0f32;
@@ -168,7 +179,10 @@ fn layer_norm_backward_kernel<F: Float>(
         sum += g;
         dot += g * (f32::cast_from(x[base + c]) - mean) * inverse;
     }
-    let grad_mean = cube_sum(&mut shared, sum) / f32::cast_from(dim);
+    let mut grad_mean = 0.0f32;
+    if centered {
+        grad_mean = cube_sum(&mut shared, sum) / f32::cast_from(dim);
+    }
     let dot_mean = cube_sum(&mut shared, dot) / f32::cast_from(dim);
     for c in range_stepped(unit, dim, ROW_UNITS) {
         let n = (f32::cast_from(x[base + c]) - mean) * inverse;
@@ -182,7 +196,8 @@ pub fn unary<R: CubeRuntime>(op: UnaryOp, x: CubeTensor<R>) -> CubeTensor<R> {
     let x = into_contiguous(x);
     match op {
         UnaryOp::GeluTanh => gelu_tanh(x),
-        UnaryOp::LayerNorm { eps } => layer_norm(x, eps),
+        UnaryOp::LayerNorm { eps } => row_norm(x, eps, true),
+        UnaryOp::RmsNorm { eps } => row_norm(x, eps, false),
     }
 }
 
@@ -198,7 +213,8 @@ pub fn unary_backward<R: CubeRuntime>(
     let grad = contiguous_as(grad, x.dtype);
     match op {
         UnaryOp::GeluTanh => gelu_tanh_backward(x, grad),
-        UnaryOp::LayerNorm { eps } => layer_norm_backward(x, grad, eps),
+        UnaryOp::LayerNorm { eps } => row_norm_backward(x, grad, eps, true),
+        UnaryOp::RmsNorm { eps } => row_norm_backward(x, grad, eps, false),
     }
 }
 
@@ -209,10 +225,11 @@ fn rows<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
     (shape.num_elements() / dim.max(1), dim)
 }
 
-fn layer_norm<R: CubeRuntime>(x: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
+/// Layer norm of each row of `x` where `centered`, else RMS norm.
+fn row_norm<R: CubeRuntime>(x: CubeTensor<R>, eps: f32, centered: bool) -> CubeTensor<R> {
     let y = empty_like(&x);
     let (rows, dim) = rows(&x);
-    layer_norm_kernel::launch(
+    row_norm_kernel::launch(
         &x.client,
         CubeCount::new_1d(rows as u32),
         CubeDim::new_1d(ROW_UNITS as u32),
@@ -220,19 +237,21 @@ fn layer_norm<R: CubeRuntime>(x: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
         array(&y),
         dim,
         eps,
+        centered,
         x.dtype.into(),
     );
     y
 }
 
-fn layer_norm_backward<R: CubeRuntime>(
+fn row_norm_backward<R: CubeRuntime>(
     x: CubeTensor<R>,
     grad: CubeTensor<R>,
     eps: f32,
+    centered: bool,
 ) -> CubeTensor<R> {
     let dx = empty_like(&x);
     let (rows, dim) = rows(&x);
-    layer_norm_backward_kernel::launch(
+    row_norm_backward_kernel::launch(
         &x.client,
         CubeCount::new_1d(rows as u32),
         CubeDim::new_1d(ROW_UNITS as u32),
@@ -241,6 +260,7 @@ fn layer_norm_backward<R: CubeRuntime>(
         array(&dx),
         dim,
         eps,
+        centered,
         x.dtype.into(),
     );
     dx
@@ -361,21 +381,33 @@ mod tests {
         assert!(check_gelu(x) > 1);
     }
 
-    fn layer_norm_row(x: &[f64], eps: f64) -> Vec<f64> {
+    /// One row's layer norm (RMS norm where not `centered`) in f64.
+    fn norm_row(x: &[f64], eps: f64, centered: bool) -> Vec<f64> {
         let n = x.len() as f64;
-        let mean = x.iter().sum::<f64>() / n;
+        let mean = if centered {
+            x.iter().sum::<f64>() / n
+        } else {
+            0.0
+        };
         let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
         x.iter().map(|v| (v - mean) / (var + eps).sqrt()).collect()
     }
 
-    /// Rows longer and shorter than a cube, one of them a strided view: the output against the
-    /// formula in f64, the gradient of `Σ grad ∘ y` against its central differences.
+    /// Layer norm and RMS norm on rows longer and shorter than a cube, one of them a strided
+    /// view: the output against the formula in f64, the gradient of `Σ grad ∘ y` against its
+    /// central differences.
     #[test]
-    fn layer_norm_and_gradient_match_float64() {
+    fn norms_and_gradients_match_float64() {
         let device = Default::default();
         let eps = 1e-5;
-        let op = UnaryOp::LayerNorm { eps: eps as f32 };
-        for (rows, dim) in [(5, 300), (4, 7)] {
+        let norms = [
+            (UnaryOp::LayerNorm { eps: eps as f32 }, true),
+            (UnaryOp::RmsNorm { eps: eps as f32 }, false),
+        ];
+        for ((op, centered), (rows, dim)) in norms
+            .into_iter()
+            .flat_map(|norm| [(5, 300), (4, 7)].map(|shape| (norm, shape)))
+        {
             let x = Tensor::<Wgpu, 2>::random([dim, rows], Distribution::Normal(0.5, 2.0), &device)
                 .swap_dims(0, 1);
             let grad = Tensor::<Wgpu, 2>::random([rows, dim], Distribution::Default, &device);
@@ -386,9 +418,9 @@ mod tests {
             let dx = values(unary_backward(op, x, grad.into_primitive().tensor()));
             for row in 0..rows {
                 let (xr, gr) = (&xs[row * dim..][..dim], &gs[row * dim..][..dim]);
-                let want = layer_norm_row(xr, eps);
+                let want = norm_row(xr, eps, centered);
                 let loss = |x: &[f64]| -> f64 {
-                    layer_norm_row(x, eps)
+                    norm_row(x, eps, centered)
                         .iter()
                         .zip(gr)
                         .map(|(y, g)| y * g)

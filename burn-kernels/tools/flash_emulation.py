@@ -7,15 +7,15 @@ compared with a float64 attention and its gradients. An error in a fragment inde
 near 1; a correct one gives bf16 rounding (about 2e-3). The GPU check is
 examples/attention_check.rs; this one needs no GPU:
 
-    python3 flash_emulation.py HEAD_DIM[:STAGES] batch,heads,len_q,len_k,strided_v ...
+    python3 flash_emulation.py HEAD_DIM[:STAGES[:QUERY_TILES]] batch,heads,len_q,len_k,strided_v ...
     python3 flash_emulation.py 128 1,2,128,128,0 2,1,200,200,1 1,1,1,70,0
-    python3 flash_emulation.py 64:1 1,2,100,300,0 1,1,130,65,1
+    python3 flash_emulation.py 64:1:1 1,2,100,300,0 1,1,130,65,1
 
 Needs numpy.
 """
 import numpy as np, sys
-D, STAGES = (int(x) for x in (sys.argv[1] + ":2").split(":")[:2])
-TILE, WARPS = 64, 4; THREADS = 128
+D, STAGES, QT = (int(x) for x in (sys.argv[1] + ":2:2").split(":")[:3])
+TILE, WARPS = 64, 4; THREADS = 128; ROWS = WARPS * 16 * QT
 LD = D + 8; TILE_ELEMS = TILE * LD; LDS = TILE + 8
 DSTEPS, DCOLS, TSTEPS, TCOLS = D // 16, D // 8, TILE // 16, TILE // 8
 lane = np.arange(32); g = lane // 4; t = lane % 4
@@ -57,10 +57,10 @@ def left_from(acc, s):  # acc [TCOLS,32,4]
     return np.stack([pack(acc[2*s][:, 0], acc[2*s][:, 1]), pack(acc[2*s][:, 2], acc[2*s][:, 3]),
                      pack(acc[2*s+1][:, 0], acc[2*s+1][:, 1]), pack(acc[2*s+1][:, 2], acc[2*s+1][:, 3])])
 
-def load_tile(sm, dst, src, stride, valid):  # src: flat global array + offset
+def load_tile(sm, dst, src, stride, valid, R=TILE):  # src: flat global array + offset
     arr, off = src
     CH = D // 8
-    for i in range(TILE * CH):
+    for i in range(R * CH):
         r, c = i // CH, (i % CH) * 8
         sm[dst + r * LD + c: dst + r * LD + c + 8] = arr[off + r * stride + c: off + r * stride + c + 8] if r < valid else 0
 
@@ -95,62 +95,71 @@ def store_rows(out, base, acc, factor, valid):
                 out[base + row * D + n * 8 + 2 * (L % 4): base + row * D + n * 8 + 2 * (L % 4) + 2] = v
 
 def forward(q, k, v, heads, len_q, len_k, qs, ks, vs, scale_log2, out, lse, bh, bx):
-    sm = np.zeros(4 * TILE_ELEMS, np.float32)
-    sk, sv, sq = 0, 2 * TILE_ELEMS, TILE_ELEMS
-    b, h = bh // heads, bh % heads; q0 = bx * TILE
+    sm = np.zeros(ROWS * LD + 4 * TILE_ELEMS, np.float32)
+    sq = 0; sk = ROWS * LD; sv = sk + 2 * TILE_ELEMS
+    b, h = bh // heads, bh % heads; q0 = bx * ROWS
     kp = b * ks[0] + h * ks[1]; vp = b * vs[0] + h * vs[1]
-    load_tile(sm, sq, (q, b*qs[0] + h*qs[1] + q0*qs[2]), qs[2], min(TILE, len_q - q0))
+    load_tile(sm, sq, (q, b*qs[0] + h*qs[1] + q0*qs[2]), qs[2], min(ROWS, len_q - q0), ROWS)
     load_tile(sm, sk, (k, kp), ks[2], min(TILE, len_k)); load_tile(sm, sv, (v, vp), vs[2], min(TILE, len_k))
-    W = [dict(o=np.zeros((DCOLS, 32, 4), np.float32), m=np.full((2, 32), -np.inf, np.float32), sum=np.zeros((2, 32), np.float32)) for _ in range(WARPS)]
+    # W[w][m]: tile m of warp w, rows (w * QT + m) * 16 onwards.
+    W = [[dict(o=np.zeros((DCOLS, 32, 4), np.float32), m=np.full((2, 32), -np.inf, np.float32), sum=np.zeros((2, 32), np.float32)) for _ in range(QT)] for _ in range(WARPS)]
     tiles = (len_k + TILE - 1) // TILE
     for j in range(tiles):
-        if j == 0:
-            for w in range(WARPS):
-                W[w]['qf'] = [ldmatrix(sm, sq + (w * 16 + lane % 8 + (lane // 8 % 2) * 8) * LD + s * 16 + (lane // 16) * 8) for s in range(DSTEPS)]
         if j + 1 < tiles:
             nxt, buf = (j + 1) * TILE, (j + 1) % 2
             load_tile(sm, sk + buf * TILE_ELEMS, (k, kp + nxt * ks[2]), ks[2], min(TILE, len_k - nxt))
             load_tile(sm, sv + buf * TILE_ELEMS, (v, vp + nxt * vs[2]), vs[2], min(TILE, len_k - nxt))
         kb = sk + (j % 2) * TILE_ELEMS; vb = sv + (j % 2) * TILE_ELEMS
         for w in range(WARPS):
-            Wd = W[w]; s = np.zeros((TCOLS, 32, 4), np.float32)
+            q_w = sq + w * QT * 16 * LD
+            S = [np.zeros((TCOLS, 32, 4), np.float32) for _ in range(QT)]
             for s_ in range(DSTEPS):
+                qa = [ldmatrix(sm, q_w + (m * 16 + lane % 8 + (lane // 8 % 2) * 8) * LD + s_ * 16 + (lane // 16) * 8) for m in range(QT)]
                 for n in range(0, TCOLS, 2):
                     fb = ldmatrix(sm, kb + (n * 8 + lane % 8 + (lane // 16) * 8) * LD + s_ * 16 + (lane // 8 % 2) * 8)
-                    mma(s[n], Wd['qf'][s_], fb[0], fb[1]); mma(s[n + 1], Wd['qf'][s_], fb[2], fb[3])
+                    for m in range(QT):
+                        mma(S[m][n], qa[m], fb[0], fb[1]); mma(S[m][n + 1], qa[m], fb[2], fb[3])
             valid = len_k - j * TILE
-            for r in range(2):
-                tm = np.full(32, -np.inf, np.float32)
-                for n in range(TCOLS):
-                    for e in range(2):
-                        x = np.where(n * 8 + 2 * t + e < valid, s[n][:, 2*r+e] * scale_log2, -np.inf).astype(np.float32)
-                        s[n][:, 2*r+e] = x; tm = np.maximum(tm, x)
-                tm = np.maximum(tm, tm[lane ^ 1]); tm = np.maximum(tm, tm[lane ^ 2])
-                nm = np.maximum(Wd['m'][r], tm); factor = np.exp2(Wd['m'][r] - nm); Wd['m'][r] = nm
-                ts = np.zeros(32, np.float32)
-                for n in range(TCOLS):
-                    for e in range(2):
-                        p = np.exp2(s[n][:, 2*r+e] - nm); s[n][:, 2*r+e] = p; ts += p
-                Wd['sum'][r] = Wd['sum'][r] * factor + ts
-                for n in range(DCOLS):
-                    Wd['o'][n][:, 2*r] *= factor; Wd['o'][n][:, 2*r+1] *= factor
-            accumulate(sm, Wd['o'], s, vb)
+            for m in range(QT):
+                Wd = W[w][m]; s = S[m]
+                for r in range(2):
+                    tm = np.full(32, -np.inf, np.float32)
+                    for n in range(TCOLS):
+                        for e in range(2):
+                            x = np.where(n * 8 + 2 * t + e < valid, s[n][:, 2*r+e] * scale_log2, -np.inf).astype(np.float32)
+                            s[n][:, 2*r+e] = x; tm = np.maximum(tm, x)
+                    tm = np.maximum(tm, tm[lane ^ 1]); tm = np.maximum(tm, tm[lane ^ 2])
+                    nm = np.maximum(Wd['m'][r], tm); factor = np.exp2(Wd['m'][r] - nm); Wd['m'][r] = nm
+                    ts = np.zeros(32, np.float32)
+                    for n in range(TCOLS):
+                        for e in range(2):
+                            p = np.exp2(s[n][:, 2*r+e] - nm); s[n][:, 2*r+e] = p; ts += p
+                    Wd['sum'][r] = Wd['sum'][r] * factor + ts
+                    for n in range(DCOLS):
+                        Wd['o'][n][:, 2*r] *= factor; Wd['o'][n][:, 2*r+1] *= factor
+            for s_ in range(TSTEPS):
+                pa = [left_from(S[m], s_) for m in range(QT)]
+                for n in range(0, DCOLS, 2):
+                    fb = ldmatrix_t(sm, vb + (s_ * 16 + lane % 8 + (lane // 8 % 2) * 8) * LD + n * 8 + (lane // 16) * 8)
+                    for m in range(QT):
+                        mma(W[w][m]['o'][n], pa[m], fb[0], fb[1]); mma(W[w][m]['o'][n + 1], pa[m], fb[2], fb[3])
     for w in range(WARPS):
-        Wd = W[w]; first = q0 + w * 16; inv = []
-        for r in range(2):
-            sm_ = Wd['sum'][r]; sm_ = sm_ + sm_[lane ^ 1]; sm_ = sm_ + sm_[lane ^ 2]
-            inv.append(1.0 / sm_)
-            for L in range(32):
-                row = first + L // 4 + 8 * r
-                if L % 4 == 0 and row < len_q: lse[bh * len_q + row] = Wd['m'][r][L] + np.log2(sm_[L])
-        inv = np.array(inv)  # [2,32]
-        for r in range(2):
-            for L in range(32):
-                row = L // 4 + 8 * r
-                if row >= len_q - first: continue
-                for n in range(DCOLS):
-                    base = (bh * len_q + first) * D
-                    out[base + row*D + n*8 + 2*(L%4): base + row*D + n*8 + 2*(L%4) + 2] = pack(Wd['o'][n][L, 2*r] * inv[r][L], Wd['o'][n][L, 2*r+1] * inv[r][L])
+        for m in range(QT):
+            Wd = W[w][m]; first = q0 + (w * QT + m) * 16; inv = []
+            for r in range(2):
+                sm_ = Wd['sum'][r]; sm_ = sm_ + sm_[lane ^ 1]; sm_ = sm_ + sm_[lane ^ 2]
+                inv.append(1.0 / sm_)
+                for L in range(32):
+                    row = first + L // 4 + 8 * r
+                    if L % 4 == 0 and row < len_q: lse[bh * len_q + row] = Wd['m'][r][L] + np.log2(sm_[L])
+            inv = np.array(inv)  # [2,32]
+            for r in range(2):
+                for L in range(32):
+                    row = L // 4 + 8 * r
+                    if row >= len_q - first: continue
+                    for n in range(DCOLS):
+                        base = (bh * len_q + first) * D
+                        out[base + row*D + n*8 + 2*(L%4): base + row*D + n*8 + 2*(L%4) + 2] = pack(Wd['o'][n][L, 2*r] * inv[r][L], Wd['o'][n][L, 2*r+1] * inv[r][L])
 
 def backward(q, k, v, dout, lse, delta, dq, dk, dv, heads, len_q, len_k, qs, ks, vs, ds, scale_log2, scale, bh, bx):
     sm = np.zeros((2 + 2 * STAGES) * TILE_ELEMS + TILE * LDS, np.float32); fm = np.zeros(2 * STAGES * TILE, np.float32)
@@ -238,7 +247,7 @@ def run(B, H, lq, lk, strided_v, seed=0):
     qs = (H*lq*D, lq*D, D); ks = (H*lk*D, lk*D, D)
     out = np.zeros(B*H*lq*D, np.float32); lse = np.zeros(B*H*lq, np.float32)
     for bh in range(B * H):
-        for bx in range((lq + TILE - 1) // TILE):
+        for bx in range((lq + ROWS - 1) // ROWS):
             forward(Q.ravel(), K.ravel(), vflat, H, lq, lk, qs, ks, vs, sl2, out, lse, bh, bx)
     # float64 reference
     Qd, Kd, Vd, dOd = (x.astype(np.float64) for x in (Q, K, V, dO))

@@ -12,43 +12,18 @@
 //! The matrix products, attention and the fused elementwise kernels take the paths
 //! `BURNLORA_KERNELS__BLAS`, `__ATTENTION` and `__ELEMENTWISE` set.
 
+mod breakdown;
 mod kernels;
 mod timing;
 
-use burn::backend::cuda::CudaDevice;
-use burn::backend::{Autodiff, Cuda};
+use breakdown::{B, measure, random};
 use burn::module::Module;
-use burn::tensor::{Distribution, FloatDType, IntDType, Tensor};
+use burn::tensor::{FloatDType, IntDType, Tensor};
 use burn_diffusion::blocks::sdpa;
 use burn_diffusion::sdxl::UNetConfig;
 use burn_diffusion::vae::norm_in_f32;
 use burn_kernels::counters;
 use burn_lora::{LoraConfig, LoraPlan};
-use timing::{clock, time};
-
-type B = Autodiff<burn_offload::Offload<Cuda>>;
-type Device = CudaDevice;
-
-fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device).require_grad()
-}
-
-/// Times `loss` forward and forward + backward; prints a row scaled by `uses` per step and
-/// returns the step's seconds for it.
-fn measure(name: &str, uses: f64, device: &Device, loss: impl Fn() -> Tensor<B, 1>) -> f64 {
-    eprintln!("[{:7.1} s] {name}", clock());
-    let forward = time::<B>(device, 2, 5, || drop(loss()));
-    let both = time::<B>(device, 2, 5, || drop(loss().backward()));
-    let step = uses * (forward + both);
-    println!(
-        "  {name:40} {:9.2} {:9.2} {:6} {:9.3}",
-        forward * 1e3,
-        both * 1e3,
-        uses,
-        step
-    );
-    step
-}
 
 fn main() {
     let _kernels = kernels::install_from_env();

@@ -133,13 +133,8 @@ impl<B: Kernels> Rope<B> {
     /// # Shapes
     /// - `x`: `[batch, heads, tokens, head_dim]`
     pub fn apply_normalized(&self, x: Tensor<B, 4>, scale: Tensor<B, 1>, eps: f64) -> Tensor<B, 4> {
-        let fused = match self.pairing {
-            Pairing::Interleaved => {
-                burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps)
-            }
-            Pairing::Halves => None,
-        };
-        fused.unwrap_or_else(|| self.apply(rms_norm(x, scale, eps)))
+        self.fused_norm(&x, &scale, eps)
+            .unwrap_or_else(|| self.apply(rms_norm(x, scale, eps)))
     }
 
     /// [`rms_norm`] of each token's `heads` heads together (`scale` `[heads · head_dim]`, Wan's
@@ -160,15 +155,24 @@ impl<B: Kernels> Rope<B> {
             let [b, l, width] = t.dims();
             t.reshape([b, l, heads, width / heads]).swap_dims(1, 2)
         };
-        let fused = match self.pairing {
-            Pairing::Interleaved => {
-                burn_kernels::rms_norm_rope(&x, &scale, &self.cos, &self.sin, eps)
-            }
-            Pairing::Halves => None,
-        };
-        match fused {
+        match self.fused_norm(&x, &scale, eps) {
             Some(turned) => split(turned),
             None => self.apply(split(rms_norm(x, scale, eps))),
+        }
+    }
+
+    /// [`burn_kernels::rms_norm_rope`] of `x` with these tables, for neighbouring pairs only.
+    fn fused_norm<const D: usize>(
+        &self,
+        x: &Tensor<B, D>,
+        scale: &Tensor<B, 1>,
+        eps: f64,
+    ) -> Option<Tensor<B, D>> {
+        match self.pairing {
+            Pairing::Interleaved => {
+                burn_kernels::rms_norm_rope(x, scale, &self.cos, &self.sin, eps)
+            }
+            Pairing::Halves => None,
         }
     }
 

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
 use cudarc::cublas::result as cublas;
@@ -20,8 +19,8 @@ use cudarc::cublas::sys::{
 };
 use cudarc::driver::{CudaContext, CudaStream};
 
+use crate::cuda::SideContext;
 use crate::cuda::order::ordered;
-use crate::cuda::{SideContext, address};
 use crate::error::{KernelError, fell_back};
 use crate::gemm::{GemmPlan, Layout, Operand, plan};
 use crate::options::{BlasRoute, KernelOptions, StreamOrder};
@@ -155,8 +154,14 @@ pub(crate) fn matmul(
     let client = &lhs.client;
     let out_shape = Shape::from(plan.out_shape.clone());
     let out = client.empty(out_shape.num_elements() * lhs.dtype.size());
-    let addresses = addresses(client, [&rhs.handle, &lhs.handle, &out])?;
-    if !run(&lhs, &plan, addresses, dtype, (1.0, 0.0), options) {
+    if !run(
+        &lhs,
+        &plan,
+        [&rhs.handle, &lhs.handle, &out],
+        dtype,
+        (1.0, 0.0),
+        options,
+    ) {
         return None;
     }
     Some(CubeTensor::new_contiguous(
@@ -168,18 +173,12 @@ pub(crate) fn matmul(
     ))
 }
 
-/// The device addresses of a product's `[A, B, C]` buffers.
-fn addresses(client: &ComputeClient<CudaRuntime>, handles: [&Handle; 3]) -> Option<[u64; 3]> {
-    let [a, b, c] = handles.map(|h| address(client, h));
-    Some([a?, b?, c?])
-}
-
-/// Runs `plan` on the cuBLAS stream in its place in CubeCL's order; `false` (logged) when it
-/// could not.
+/// Runs `plan` on the `[A, B, C]` buffers on the cuBLAS stream, in its place in CubeCL's order;
+/// `false` (logged) when it could not.
 fn run(
     lhs: &CubeTensor<CudaRuntime>,
     plan: &GemmPlan,
-    addresses: [u64; 3],
+    buffers: [&Handle; 3],
     dtype: cudaDataType,
     scales: (f32, f32),
     options: &KernelOptions,
@@ -187,9 +186,14 @@ fn run(
     let done = SideContext::of(&lhs.device).and_then(|side| {
         let blas = side.blas()?;
         let blas = blas.lock().unwrap();
-        ordered(&lhs.client, &side, &blas.stream, options.order, || {
-            blas.gemm(plan, addresses, dtype, scales)
-        })
+        ordered(
+            &lhs.client,
+            &side,
+            &blas.stream,
+            options.order,
+            buffers,
+            |addresses| blas.gemm(plan, addresses, dtype, scales),
+        )
     });
     if let Err(error) = done {
         fell_back("cuBLAS product", &error);
@@ -201,6 +205,8 @@ fn run(
 /// `alpha · lhs · rhs + addend` through cuBLAS, written into `addend`'s memory (`beta = 1`);
 /// `Err(addend)` where [`matmul`] would decline without copying an operand, `addend` is not a
 /// contiguous tensor of the product's shape and dtype, or something else holds its memory.
+// The addend goes back whole when cuBLAS declines, so that the caller can add it another way.
+#[allow(clippy::result_large_err)]
 pub(crate) fn matmul_add(
     lhs: &CubeTensor<CudaRuntime>,
     rhs: &CubeTensor<CudaRuntime>,
@@ -226,10 +232,8 @@ pub(crate) fn matmul_add(
     if !routed(&plan, options) || addend.meta.shape().as_slice() != plan.out_shape.as_slice() {
         return Err(addend);
     }
-    let Some(addresses) = addresses(&lhs.client, [&rhs.handle, &lhs.handle, &addend.handle]) else {
-        return Err(addend);
-    };
-    if !run(lhs, &plan, addresses, dtype, (alpha, 1.0), options) {
+    let buffers = [&rhs.handle, &lhs.handle, &addend.handle];
+    if !run(lhs, &plan, buffers, dtype, (alpha, 1.0), options) {
         return Err(addend);
     }
     Ok(addend)

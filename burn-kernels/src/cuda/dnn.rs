@@ -26,8 +26,8 @@ use cudarc::cudnn::sys::{
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::conv::ConvPlan;
+use crate::cuda::SideContext;
 use crate::cuda::order::ordered;
-use crate::cuda::{SideContext, address};
 use crate::error::{KernelError, fell_back};
 use crate::fused::ConvGrad;
 use crate::options::{BlasRoute, KernelOptions};
@@ -274,81 +274,81 @@ fn convolve(
             }
         };
         let workspace = client.empty(workspace_bytes.max(1));
-        let resolve = |handle| {
-            address(client, handle).ok_or(KernelError::Unsupported(
-                "a buffer CubeCL cannot resolve".into(),
-            ))
-        };
-        let (px, pw, pout, pws) = (
-            resolve(&x.handle)?,
-            resolve(&weight.handle)?,
-            resolve(&out)?,
-            resolve(&workspace)?,
-        );
-        let pdy = dy.as_ref().map(|dy| resolve(&dy.handle)).transpose()?;
+        // The forward has no `dy`; `x` stands in for it, unused.
+        let dy_handle = dy.as_ref().map_or(&x.handle, |dy| &dy.handle);
+        let buffers = [&x.handle, &weight.handle, &out, &workspace, dy_handle];
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (alpha, beta) = (
             (&alpha as *const f32).cast::<c_void>(),
             (&beta as *const f32).cast::<c_void>(),
         );
-        let ws = pws as *mut c_void;
-        ordered(client, &side, &dnn.stream, kernel.order, || {
-            // SAFETY: the descriptors describe the contiguous buffers behind the addresses
-            // (`out` and the workspace were allocated for them, `dy` was checked to be the
-            // output's shape); the ordering keeps every other use of them out of the
-            // convolution's way.
-            unsafe {
-                match (algorithm, pdy) {
-                    (Algorithm::Forward(algo), _) => dnn::convolution_forward(
-                        h,
-                        alpha,
-                        d.x,
-                        px as _,
-                        d.w,
-                        pw as _,
-                        d.conv,
-                        algo,
-                        ws,
-                        workspace_bytes,
-                        beta,
-                        d.y,
-                        pout as _,
-                    ),
-                    (Algorithm::Input(algo), Some(pdy)) => dnn::convolution_backward_data(
-                        h,
-                        alpha,
-                        d.w,
-                        pw as _,
-                        d.y,
-                        pdy as _,
-                        d.conv,
-                        algo,
-                        ws,
-                        workspace_bytes,
-                        beta,
-                        d.x,
-                        pout as _,
-                    ),
-                    (Algorithm::Filter(algo), Some(pdy)) => dnn::convolution_backward_filter(
-                        h,
-                        alpha,
-                        d.x,
-                        px as _,
-                        d.y,
-                        pdy as _,
-                        d.conv,
-                        algo,
-                        ws,
-                        workspace_bytes,
-                        beta,
-                        d.w,
-                        pout as _,
-                    ),
-                    (_, None) => unreachable!("the backward passes are given dy"),
+        ordered(
+            client,
+            &side,
+            &dnn.stream,
+            kernel.order,
+            buffers,
+            |addresses| {
+                let [px, pw, pout, pws, pdy] = addresses;
+                let pdy = dy.is_some().then_some(pdy);
+                let ws = pws as *mut c_void;
+                // SAFETY: the descriptors describe the contiguous buffers behind the addresses
+                // (`out` and the workspace were allocated for them, `dy` was checked to be the
+                // output's shape); the ordering keeps every other use of them out of the
+                // convolution's way.
+                unsafe {
+                    match (algorithm, pdy) {
+                        (Algorithm::Forward(algo), _) => dnn::convolution_forward(
+                            h,
+                            alpha,
+                            d.x,
+                            px as _,
+                            d.w,
+                            pw as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.y,
+                            pout as _,
+                        ),
+                        (Algorithm::Input(algo), Some(pdy)) => dnn::convolution_backward_data(
+                            h,
+                            alpha,
+                            d.w,
+                            pw as _,
+                            d.y,
+                            pdy as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.x,
+                            pout as _,
+                        ),
+                        (Algorithm::Filter(algo), Some(pdy)) => dnn::convolution_backward_filter(
+                            h,
+                            alpha,
+                            d.x,
+                            px as _,
+                            d.y,
+                            pdy as _,
+                            d.conv,
+                            algo,
+                            ws,
+                            workspace_bytes,
+                            beta,
+                            d.w,
+                            pout as _,
+                        ),
+                        (_, None) => unreachable!("the backward passes are given dy"),
+                    }
                 }
-            }
-            .map_err(KernelError::device("a cuDNN convolution"))
-        })
+                .map_err(KernelError::device("a cuDNN convolution"))
+            },
+        )
     };
     if let Err(error) = run() {
         fell_back("cuDNN convolution", &error);

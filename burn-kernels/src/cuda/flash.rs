@@ -9,7 +9,6 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
-use cubecl::server::Handle;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -19,7 +18,7 @@ use crate::cuda::flash_plan::{
     TILE, backward_shared, backward_stages, forward_query_tiles, forward_rows, forward_shared,
 };
 use crate::cuda::order::ordered;
-use crate::cuda::{SideContext, address, compile_module, compute_capability};
+use crate::cuda::{SideContext, compile_module, compute_capability};
 use crate::error::{KernelError, fell_back};
 use crate::options::StreamOrder;
 
@@ -130,12 +129,15 @@ fn operand(t: &CubeTensor<CudaRuntime>) -> Option<([usize; 4], Strides)> {
     ))
 }
 
-/// Device address of a buffer, when it is 16-byte aligned.
-fn aligned_address(
-    client: &cubecl::client::ComputeClient<CudaRuntime>,
-    handle: &Handle,
-) -> Option<u64> {
-    address(client, handle).filter(|ptr| ptr % 16 == 0)
+/// `addresses`, when every one is 16-byte aligned (the kernels' vector loads need it).
+fn aligned<const N: usize>(addresses: [u64; N]) -> Result<[u64; N], KernelError> {
+    if addresses.iter().all(|address| address % 16 == 0) {
+        Ok(addresses)
+    } else {
+        Err(KernelError::Unsupported(
+            "a buffer not aligned to 16 bytes".into(),
+        ))
+    }
 }
 
 /// Blocks of `per_block` rows that cover `rows`.
@@ -241,43 +243,49 @@ pub(crate) fn forward(
     let out = empty(q, vec![batch, heads, len_q, head_dim], DType::BF16);
     let lse = empty(q, vec![batch, heads, len_q], DType::F32);
     let client = &q.client;
-    let [qp, kp, vp, op, lp] = [&q.handle, &k.handle, &v.handle, &out.handle, &lse.handle]
-        .map(|h| aligned_address(client, h));
-    let (qp, kp, vp, op, lp) = (qp?, kp?, vp?, op?, lp?);
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let launched = ordered(client, &side, &kernels.stream, order, || {
-        let mut launch = kernels.stream.launch_builder(&kernels.forward);
-        launch
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&op)
-            .arg(&lp)
-            .arg(&heads_i)
-            .arg(&len_q_i)
-            .arg(&len_k_i)
-            .arg(&qs)
-            .arg(&ks)
-            .arg(&vs)
-            .arg(&scale_log2);
-        // SAFETY: the arguments match `flash_forward`'s parameters; the buffers hold the
-        // extents `Problem` checked, `out` and `lse` were allocated for them.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (
-                    blocks(len_q, forward_rows(kernels.query_tiles)),
-                    (batch * heads) as u32,
-                    1,
-                ),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: forward_shared(head_dim, kernels.query_tiles) as u32,
-            })
-        }
-        .map(drop)
-        .map_err(KernelError::device("launching the attention forward"))
-    });
+    let buffers = [&q.handle, &k.handle, &v.handle, &out.handle, &lse.handle];
+    let launched = ordered(
+        client,
+        &side,
+        &kernels.stream,
+        order,
+        buffers,
+        |addresses| {
+            let [qp, kp, vp, op, lp] = aligned(addresses)?;
+            let mut launch = kernels.stream.launch_builder(&kernels.forward);
+            launch
+                .arg(&qp)
+                .arg(&kp)
+                .arg(&vp)
+                .arg(&op)
+                .arg(&lp)
+                .arg(&heads_i)
+                .arg(&len_q_i)
+                .arg(&len_k_i)
+                .arg(&qs)
+                .arg(&ks)
+                .arg(&vs)
+                .arg(&scale_log2);
+            // SAFETY: the arguments match `flash_forward`'s parameters; the buffers hold the
+            // extents `Problem` checked, `out` and `lse` were allocated for them.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (
+                        blocks(len_q, forward_rows(kernels.query_tiles)),
+                        (batch * heads) as u32,
+                        1,
+                    ),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: forward_shared(head_dim, kernels.query_tiles) as u32,
+                })
+            }
+            .map(drop)
+            .map_err(KernelError::device("launching the attention forward"))
+        },
+    );
     match launched {
         Ok(()) => Some((
             out.clone(),
@@ -340,85 +348,91 @@ pub(crate) fn backward(
         &dk.handle,
         &dv.handle,
     ];
-    let [qp, kp, vp, op, lp, gp, deltap, accp, dqp, dkp, dvp] =
-        handles.map(|h| aligned_address(client, h).expect("Burn's buffers are 16-byte aligned"));
     let (heads_i, len_q_i, len_k_i) = (heads as i32, len_q as i32, len_k as i32);
     let (rows_i, elements) = (rows as i64, (rows * head_dim) as i64);
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let kernels = kernels.lock().unwrap();
-    let done = ordered(client, &side, &kernels.stream, saved.order, || {
-        // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                accp,
-                0,
-                rows * head_dim * size_of::<f32>(),
-                kernels.stream.cu_stream(),
-            )
-        }
-        .map_err(KernelError::device("clearing the dq accumulator"))?;
-        let rows_per_block = (THREADS / 32) as usize;
-        let mut launch = kernels.stream.launch_builder(&kernels.delta);
-        launch
-            .arg(&op)
-            .arg(&gp)
-            .arg(&deltap)
-            .arg(&heads_i)
-            .arg(&len_q_i)
-            .arg(&rows_i)
-            .arg(&ds);
-        // SAFETY: the arguments match `flash_backward_delta`'s parameters; one warp per row.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map_err(KernelError::device("launching the attention delta kernel"))?;
-        let mut launch = kernels.stream.launch_builder(&kernels.backward);
-        launch
-            .arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&gp)
-            .arg(&lp)
-            .arg(&deltap)
-            .arg(&accp)
-            .arg(&dkp)
-            .arg(&dvp)
-            .arg(&heads_i)
-            .arg(&len_q_i)
-            .arg(&len_k_i)
-            .arg(&qs)
-            .arg(&ks)
-            .arg(&vs)
-            .arg(&ds)
-            .arg(&scale_log2)
-            .arg(&scale);
-        // SAFETY: the arguments match `flash_backward`'s parameters; every buffer was
-        // allocated for the extents `Problem` checked.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (blocks(len_k, TILE), (batch * heads) as u32, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: kernels.backward_shared as u32,
-            })
-        }
-        .map_err(KernelError::device("launching the attention backward"))?;
-        let mut launch = kernels.stream.launch_builder(&kernels.dq);
-        launch.arg(&accp).arg(&dqp).arg(&elements);
-        // SAFETY: the arguments match `flash_backward_dq`'s parameters.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: ((rows * head_dim).div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .map(drop)
-        .map_err(KernelError::device("launching the attention's dq kernel"))
-    });
+    let done = ordered(
+        client,
+        &side,
+        &kernels.stream,
+        saved.order,
+        handles,
+        |addresses| {
+            let [qp, kp, vp, op, lp, gp, deltap, accp, dqp, dkp, dvp] = aligned(addresses)?;
+            // SAFETY: `accp` holds `rows · head_dim` f32 values; all-zero bytes are 0.0.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    accp,
+                    0,
+                    rows * head_dim * size_of::<f32>(),
+                    kernels.stream.cu_stream(),
+                )
+            }
+            .map_err(KernelError::device("clearing the dq accumulator"))?;
+            let rows_per_block = (THREADS / 32) as usize;
+            let mut launch = kernels.stream.launch_builder(&kernels.delta);
+            launch
+                .arg(&op)
+                .arg(&gp)
+                .arg(&deltap)
+                .arg(&heads_i)
+                .arg(&len_q_i)
+                .arg(&rows_i)
+                .arg(&ds);
+            // SAFETY: the arguments match `flash_backward_delta`'s parameters; one warp per row.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (rows.div_ceil(rows_per_block) as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(KernelError::device("launching the attention delta kernel"))?;
+            let mut launch = kernels.stream.launch_builder(&kernels.backward);
+            launch
+                .arg(&qp)
+                .arg(&kp)
+                .arg(&vp)
+                .arg(&gp)
+                .arg(&lp)
+                .arg(&deltap)
+                .arg(&accp)
+                .arg(&dkp)
+                .arg(&dvp)
+                .arg(&heads_i)
+                .arg(&len_q_i)
+                .arg(&len_k_i)
+                .arg(&qs)
+                .arg(&ks)
+                .arg(&vs)
+                .arg(&ds)
+                .arg(&scale_log2)
+                .arg(&scale);
+            // SAFETY: the arguments match `flash_backward`'s parameters; every buffer was
+            // allocated for the extents `Problem` checked.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (blocks(len_k, TILE), (batch * heads) as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: kernels.backward_shared as u32,
+                })
+            }
+            .map_err(KernelError::device("launching the attention backward"))?;
+            let mut launch = kernels.stream.launch_builder(&kernels.dq);
+            launch.arg(&accp).arg(&dqp).arg(&elements);
+            // SAFETY: the arguments match `flash_backward_dq`'s parameters.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: ((rows * head_dim).div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map(drop)
+            .map_err(KernelError::device("launching the attention's dq kernel"))
+        },
+    );
     if let Err(error) = done {
         panic!("fused attention backward failed: {error}");
     }

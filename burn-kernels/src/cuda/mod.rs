@@ -33,15 +33,18 @@ use crate::options::{BlasRoute, KernelOptions};
 
 pub use flash::FlashSaved;
 
+/// A part of a [`SideContext`], shared by the threads that use it, or why it could not be made.
+type Shared<T> = Result<Arc<Mutex<T>>, KernelError>;
+
 /// What the CUDA paths outside CubeCL hold for one device, created on first use and kept for
 /// the process: a failure to create a part is kept too, and every call that needs the part
 /// falls back (logged) instead of retrying.
 pub struct SideContext {
     ctx: Arc<CudaContext>,
     copy: Arc<CudaStream>,
-    blas: OnceLock<Result<Arc<Mutex<blas::Blas>>, KernelError>>,
-    dnn: OnceLock<Result<Arc<Mutex<dnn::Dnn>>, KernelError>>,
-    flash: Mutex<HashMap<usize, Result<Arc<Mutex<flash::FlashKernels>>, KernelError>>>,
+    blas: OnceLock<Shared<blas::Blas>>,
+    dnn: OnceLock<Shared<dnn::Dnn>>,
+    flash: Mutex<HashMap<usize, Shared<flash::FlashKernels>>>,
     flags: OnceLock<Result<Arc<order::FlagKernels>, KernelError>>,
 }
 
@@ -82,19 +85,19 @@ impl SideContext {
         &self.copy
     }
 
-    fn blas(&self) -> Result<Arc<Mutex<blas::Blas>>, KernelError> {
+    fn blas(&self) -> Shared<blas::Blas> {
         self.blas
             .get_or_init(|| blas::Blas::new(&self.ctx).map(|b| Arc::new(Mutex::new(b))))
             .clone()
     }
 
-    fn dnn(&self) -> Result<Arc<Mutex<dnn::Dnn>>, KernelError> {
+    fn dnn(&self) -> Shared<dnn::Dnn> {
         self.dnn
             .get_or_init(|| dnn::Dnn::new(&self.ctx).map(|d| Arc::new(Mutex::new(d))))
             .clone()
     }
 
-    fn flash(&self, head_dim: usize) -> Result<Arc<Mutex<flash::FlashKernels>>, KernelError> {
+    fn flash(&self, head_dim: usize) -> Shared<flash::FlashKernels> {
         let mut all = self.flash.lock().unwrap();
         all.entry(head_dim)
             .or_insert_with(|| {

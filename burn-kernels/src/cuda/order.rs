@@ -8,7 +8,8 @@
 //! until it sees that, so nothing queued after it starts before the work is done. The host never
 //! waits for the GPU. It waits only, before queuing the other stream's wait, until CubeCL's
 //! device thread has handed the raising kernel to the driver ([`ComputeClient::exclusive`]), so
-//! that the driver always receives a flag's write before the wait for it. The flags live in a
+//! that the driver always receives a flag's write before the wait for it; the work's buffers
+//! are resolved to device addresses in that same round trip. The flags live in a
 //! CubeCL buffer, kept per thread (CubeCL gives each thread a stream of its own) and per device;
 //! `flag_kernel.rs` holds the compute stream's kernels, and the other stream's are compiled here
 //! by NVRTC. (The driver's stream-memory operations, `cuStreamWaitValue32` and
@@ -123,44 +124,45 @@ impl FlagKernels {
 
 /// Runs `work`, which queues device work on `stream` outside CubeCL's order, as if it were
 /// queued on the calling thread's compute stream at this point: it starts after every kernel
-/// queued before, and every kernel queued after starts after it. Under device `order`, a call
-/// whose flag kernels fail falls back to host order (logged). An error of `work` is returned
-/// once `stream` has finished what it queued.
-pub(crate) fn ordered(
+/// queued before, and every kernel queued after starts after it. `work` gets the device
+/// addresses of `buffers`, all resolved in the one round trip to CubeCL's device thread that
+/// the ordering makes anyway. Under device `order`, a call whose flag kernels fail falls back to
+/// host order (logged). A buffer CubeCL cannot resolve is an error, and nothing runs then; an
+/// error of `work` is returned once `stream` has finished what it queued.
+pub(crate) fn ordered<const N: usize>(
     client: &ComputeClient<CudaRuntime>,
     side: &SideContext,
     stream: &CudaStream,
     order: StreamOrder,
-    work: impl FnOnce() -> Result<(), KernelError>,
+    buffers: [&Handle; N],
+    work: impl FnOnce([u64; N]) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
     let ctx = side.context();
     ctx.bind_to_thread()
         .map_err(KernelError::device("binding the CUDA context"))?;
     if order == StreamOrder::Host {
-        return host_ordered(client, stream, work);
+        return host_ordered(client, stream, buffers, work);
     }
     let kernels = match side.flag_kernels() {
         Ok(kernels) => kernels,
         Err(error) => {
             fell_back("device-side ordering", &error);
-            return host_ordered(client, stream, work);
+            return host_ordered(client, stream, buffers, work);
         }
     };
     let Some((value, buffer, base)) = next(client, ctx) else {
-        return host_ordered(client, stream, work);
+        return host_ordered(client, stream, buffers, work);
     };
     let raised = base + (RAISED * size_of::<u32>()) as u64;
     let done = base + (DONE * size_of::<u32>()) as u64;
     raise(client, &buffer, value);
-    client.exclusive(|| ()).map_err(|e| KernelError::Device {
-        action: "waiting for CubeCL's device thread",
-        reason: format!("{e:?}"),
-    })?;
+    // Resolved on the device thread, once it has handed the raising kernel to the driver.
+    let addresses = resolve(client, buffers)?;
     if let Err(error) = FlagKernels::launch(&kernels.wait, stream, raised, value) {
         fell_back("device-side ordering", &error);
-        return host_ordered(client, stream, work);
+        return host_ordered(client, stream, buffers, work);
     }
-    if let Err(error) = work() {
+    if let Err(error) = work(addresses) {
         synchronize(stream)?;
         return Err(error);
     }
@@ -172,19 +174,41 @@ pub(crate) fn ordered(
     Ok(())
 }
 
+/// The device addresses of `buffers`, resolved in one task on CubeCL's device thread (which
+/// runs after everything the calling thread queued before).
+fn resolve<const N: usize>(
+    client: &ComputeClient<CudaRuntime>,
+    buffers: [&Handle; N],
+) -> Result<[u64; N], KernelError> {
+    let resolved = client
+        .exclusive(|| buffers.map(|buffer| address(client, buffer)))
+        .map_err(|e| KernelError::Device {
+            action: "waiting for CubeCL's device thread",
+            reason: format!("{e:?}"),
+        })?;
+    let mut addresses = [0; N];
+    for (slot, address) in addresses.iter_mut().zip(resolved) {
+        *slot = address
+            .ok_or_else(|| KernelError::Unsupported("a buffer CubeCL cannot resolve".into()))?;
+    }
+    Ok(addresses)
+}
+
 fn synchronize(stream: &CudaStream) -> Result<(), KernelError> {
     stream
         .synchronize()
         .map_err(KernelError::device("waiting for a side stream"))
 }
 
-/// `work` between a drain of the compute stream and a synchronization of `stream`.
-fn host_ordered(
+/// `work` on `buffers`' addresses, between a drain of the compute stream and a synchronization
+/// of `stream`.
+fn host_ordered<const N: usize>(
     client: &ComputeClient<CudaRuntime>,
     stream: &CudaStream,
-    work: impl FnOnce() -> Result<(), KernelError>,
+    buffers: [&Handle; N],
+    work: impl FnOnce([u64; N]) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
     drain(client);
-    work()?;
+    work(resolve(client, buffers)?)?;
     synchronize(stream)
 }

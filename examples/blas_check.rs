@@ -101,6 +101,28 @@ fn cases<B: AutodiffBackend + Kernels>(
     outs.push(out("LoRA down gradient", down.grad(&grads).unwrap()));
     outs.push(out("LoRA up gradient", up.grad(&grads).unwrap()));
 
+    // A LoRA layer on a frozen base (`lora_linear`, down and up as a layer passes them): its
+    // three products in one ordering, and the five of its gradients likewise.
+    let x = input::<B, 3>([2, 65, 130], 23, dtype, device).require_grad();
+    let w = input::<B, 2>([130, 70], 24, dtype, device);
+    let bias = input::<B, 1>([70], 25, dtype, device);
+    let down = input::<B, 2>([8, 130], 26, dtype, device).require_grad();
+    let up = input::<B, 2>([70, 8], 27, dtype, device).require_grad();
+    let lora = burn_kernels::lora_linear(
+        x.clone(),
+        w,
+        Some(bias),
+        down.clone().transpose(),
+        up.clone().transpose(),
+        0.5,
+    );
+    let r = input::<B, 3>([2, 65, 70], 28, dtype, device);
+    let grads = (lora.clone() * r).sum().backward();
+    outs.push(out("fused LoRA forward", lora));
+    outs.push(out("fused LoRA x gradient", x.grad(&grads).unwrap()));
+    outs.push(out("fused LoRA down gradient", down.grad(&grads).unwrap()));
+    outs.push(out("fused LoRA up gradient", up.grad(&grads).unwrap()));
+
     // Attention as explicit products (kᵀ a transposed view), and its gradients.
     let q = input::<B, 4>([2, 3, 77, 64], 14, dtype, device).require_grad();
     let k = input::<B, 4>([2, 3, 77, 64], 15, dtype, device).require_grad();
@@ -217,11 +239,12 @@ fn main() {
             },
             &Default::default(),
         );
-        // The cases hold 23 products (5 matmuls, 3 for the linear layer, 9 for the LoRA layer,
-        // 6 for attention), one of them accumulated: fewer means some fell back to Burn. On
-        // Burn's backend only the entry points of burn-kernels reach cuBLAS: the LoRA layer's
-        // down factor and its accumulated up factor, forward and backward (6 products).
-        if products < 23 || accumulated != 1 || plain_products > 6 {
+        // The cases hold 31 products (5 matmuls, 3 for the linear layer, 9 for the LoRA layer,
+        // 8 for the LoRA layer in one ordering, 6 for attention), three of them accumulated:
+        // fewer means some fell back to Burn. On Burn's backend only the entry points of
+        // burn-kernels reach cuBLAS: the LoRA layer's down factor and its accumulated up
+        // factor, forward and backward (6 products), and the one-ordering layer (8).
+        if products < 31 || accumulated != 3 || plain_products > 14 {
             eprintln!(
                 "{products} products went through cuBLAS, {accumulated} accumulated, \
                  {plain_products} on Burn's backend: the route was not taken as planned \

@@ -10,7 +10,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::FloatTensor;
 
-use crate::fused::{FusedOps, NormRope, UnaryOp};
+use crate::counters::count_lora;
+use crate::fused::{FusedOps, LoraProducts, NormRope, UnaryOp};
 use crate::kernels::Kernels;
 use crate::options::KernelOptions;
 use crate::products;
@@ -143,6 +144,48 @@ impl<B: FusedOps, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         }
     }
 
+    /// Declined when the base weight needs a gradient: the fused backward gives it none.
+    fn blas_lora(
+        products: LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        let LoraProducts {
+            x,
+            weight,
+            down,
+            up,
+            alpha,
+        } = products;
+        if !weight.node.requirement.is_none() {
+            return None;
+        }
+        let inner = LoraProducts {
+            x: x.primitive,
+            weight: weight.primitive,
+            down: down.primitive,
+            up: up.primitive,
+            alpha,
+        };
+        let (y, h) = B::blas_lora(&inner, options)?;
+        let prepared = <LoraBackward as Backward<B, 3>>::prepare::<C>;
+        Some(
+            match prepared(LoraBackward, [x.node, down.node, up.node])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    LoraState {
+                        products: inner,
+                        h,
+                        options: *options,
+                    },
+                    y,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+        )
+    }
+
     /// Declined when the scale or the tables need gradients: the fused op gives only `x` one.
     fn norm_rope(operands: NormRope<Self>, options: &KernelOptions) -> Option<FloatTensor<Self>> {
         let NormRope {
@@ -263,6 +306,48 @@ impl<B: FusedOps> Backward<B, 3> for LinearAddBackward {
             B::float_mul_scalar(grad, alpha.into())
         };
         linear_backward::<B>(state, [x_id, weight_id], grad, grads);
+    }
+}
+
+/// What the backward pass of one LoRA layer's fused products keeps.
+#[derive(Debug, Clone)]
+struct LoraState<B: FusedOps> {
+    products: LoraProducts<B>,
+    /// `x · down`.
+    h: FloatTensor<B>,
+    options: KernelOptions,
+}
+
+#[derive(Debug)]
+struct LoraBackward;
+
+impl<B: FusedOps> Backward<B, 3> for LoraBackward {
+    type State = LoraState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let LoraState {
+            products,
+            h,
+            options,
+        } = ops.state;
+        let gradients = match B::blas_lora_backward(&products, &h, &grad, &options) {
+            Some(gradients) => {
+                count_lora(5);
+                gradients
+            }
+            None => products::lora_backward::<B>(&products, h, grad, &options),
+        };
+        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, gradient);
+            }
+        }
     }
 }
 

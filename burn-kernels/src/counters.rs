@@ -80,6 +80,15 @@ pub(crate) fn count_blas_accumulated() {
     });
 }
 
+/// `products` BLAS products taken in one ordering, one of them accumulated: a LoRA layer's
+/// forward (3) or backward (5).
+pub(crate) fn count_lora(products: u64) {
+    bump(|c| {
+        c.blas_products += products;
+        c.blas_accumulated += 1;
+    });
+}
+
 pub(crate) fn count_dnn_convolution() {
     bump(|c| c.dnn_convolutions += 1);
 }

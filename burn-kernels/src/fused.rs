@@ -47,6 +47,23 @@ pub struct NormRope<B: Backend> {
     pub eps: f32,
 }
 
+/// The operands of a LoRA layer's three products, `x · weight + alpha · (x · down) · up`, in
+/// Burn's layouts: `x` `[..., d_in]`, `weight` `[d_in, d_out]`, `down` `[d_in, rank]`, `up`
+/// `[rank, d_out]`.
+#[derive(Debug, Clone)]
+pub struct LoraProducts<B: Backend> {
+    /// The layer's input.
+    pub x: FloatTensor<B>,
+    /// The base layer's weight.
+    pub weight: FloatTensor<B>,
+    /// The down factor.
+    pub down: FloatTensor<B>,
+    /// The up factor.
+    pub up: FloatTensor<B>,
+    /// The update's scale.
+    pub alpha: f32,
+}
+
 /// The state of a kernel a backend does not have: no value exists, so its backward cannot be
 /// reached.
 #[derive(Debug, Clone, Copy)]
@@ -144,6 +161,32 @@ pub trait FusedOps: Backend {
     ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
         let _ = (lhs, rhs, alpha, options);
         Err(addend)
+    }
+
+    /// `(x · weight + alpha · h · up, h)` with `h = x · down` (see [`LoraProducts`]), the
+    /// three products computed by the vendor BLAS in one place in the backend's order; `None`
+    /// where the backend has none, the options leave products to Burn, or the dtypes or layouts
+    /// do not fit.
+    fn blas_lora(
+        products: &LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (products, options);
+        None
+    }
+
+    /// The gradients `[x, down, up]` of [`blas_lora`](Self::blas_lora)'s output given its
+    /// gradient `grad` and the forward's `h`, the five products (the base weight's gradient is
+    /// not one of them) computed by the vendor BLAS in one place in the backend's order; `None`
+    /// where [`blas_lora`](Self::blas_lora) would decline.
+    fn blas_lora_backward(
+        products: &LoraProducts<Self>,
+        h: &FloatTensor<Self>,
+        grad: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<[FloatTensor<Self>; 3]> {
+        let _ = (products, h, grad, options);
+        None
     }
 
     /// Whether the gradient of the trainable parameter `param` goes to a sink of the backend's

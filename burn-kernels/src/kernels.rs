@@ -1,15 +1,15 @@
 //! [`Kernels`], the bound model code puts on its backend, and the entry points it calls:
 //! [`attention`], [`gelu_tanh`], [`layer_norm`], [`rms_norm`], [`rms_norm_rope`] return the fused result, or
 //! `None` where the backend, the operands or the installed [`KernelOptions`] leave the op to
-//! separate ops, which the caller then writes out; [`linear`] and [`linear_add`] run Burn's
-//! linear where the vendor BLAS does not take the product.
+//! separate ops, which the caller then writes out; [`linear`], [`linear_add`] and
+//! [`lora_linear`] run Burn's linear where the vendor BLAS does not take the products.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::counters;
-use crate::fused::{FusedOps, NormRope, UnaryOp};
+use crate::fused::{FusedOps, LoraProducts, NormRope, UnaryOp};
 use crate::options::KernelOptions;
 
 /// A backend whose models can call the fused entry points: every [`FusedOps`] backend, and
@@ -51,6 +51,14 @@ pub trait Kernels: Backend {
         alpha: f32,
         options: &KernelOptions,
     ) -> Result<FloatTensor<Self>, FloatTensor<Self>>;
+
+    /// `x · weight + alpha · (x · down) · up` (see [`LoraProducts`]) through the vendor BLAS,
+    /// the three products in one place in the backend's order, and the five of its gradients
+    /// likewise; `None` where the BLAS does not take them or the base weight needs a gradient.
+    fn blas_lora(
+        products: LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>>;
 
     /// `param` as the forward reads it: itself, or, where the backend takes the parameter's
     /// gradient ([`FusedOps::takes_gradient`]), an op whose backward hands its gradient to the
@@ -97,6 +105,13 @@ impl<B: FusedOps> Kernels for B {
         options: &KernelOptions,
     ) -> Result<FloatTensor<Self>, FloatTensor<Self>> {
         B::blas_matmul_add(x, weight, addend, alpha, options)
+    }
+
+    fn blas_lora(
+        products: LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<FloatTensor<Self>> {
+        B::blas_lora(&products, options).map(|(y, _)| y)
     }
 
     /// Without autodiff there is no gradient to take.
@@ -271,6 +286,41 @@ pub fn linear_add<B: Kernels, const D: usize>(
             };
             tensor::<B, D>(addend) + product
         }
+    }
+}
+
+/// A LoRA layer, `x · weight + bias + alpha · (x · down) · up` (Burn's layouts: weight
+/// `[d_in, d_out]`, bias `[d_out]`, down `[d_in, rank]`, up `[rank, d_out]`). Where the backend
+/// has a vendor BLAS, the options route products there and the base weight needs no gradient,
+/// the three products go there in one place in the backend's order, and the five of the
+/// gradients likewise (counted in [`counters`](crate::counters)): one ordering each way instead
+/// of one per product. Else [`linear`] for the base and the down factor and [`linear_add`] for
+/// the up factor.
+pub fn lora_linear<B: Kernels, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    down: Tensor<B, 2>,
+    up: Tensor<B, 2>,
+    alpha: f64,
+) -> Tensor<B, D> {
+    let options = KernelOptions::current();
+    let products = LoraProducts {
+        x: primitive(&x),
+        weight: primitive(&weight),
+        down: primitive(&down),
+        up: primitive(&up),
+        alpha: alpha as f32,
+    };
+    let Some(out) = <B as Kernels>::blas_lora(products, &options) else {
+        let y = linear(x.clone(), weight, bias);
+        return linear_add(linear(x, down, None), up, y, alpha);
+    };
+    counters::count_lora(3);
+    let out: Tensor<B, D> = tensor(out);
+    match bias {
+        Some(bias) => out + bias.unsqueeze(),
+        None => out,
     }
 }
 

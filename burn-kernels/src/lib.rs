@@ -64,9 +64,9 @@ mod wgpu;
 
 pub use counters::{KernelCounters, counters};
 pub use error::{KernelError, fell_back};
-pub use fused::{ConvGrad, FusedOps, NoKernel, NormRope, UnaryOp};
+pub use fused::{ConvGrad, FusedOps, LoraProducts, NoKernel, NormRope, UnaryOp};
 pub use kernels::{
-    Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, rms_norm, rms_norm_rope,
-    trainable,
+    Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, lora_linear, rms_norm,
+    rms_norm_rope, trainable,
 };
 pub use options::{BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};

@@ -8,7 +8,7 @@ use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Shape, TensorMetadata};
 
 use crate::counters::{count_blas_product, count_dnn_convolution};
-use crate::fused::{ConvGrad, FusedOps};
+use crate::fused::{ConvGrad, FusedOps, LoraProducts};
 use crate::options::KernelOptions;
 
 /// The vendor BLAS's product, counted.
@@ -126,4 +126,24 @@ pub fn linear_weight_backward<B: FusedOps>(
         }
     }
     B::linear_weight_backward(x, output_grad)
+}
+
+/// The gradients `[x, down, up]` of `x · weight + alpha · (x · down) · up` (see
+/// [`LoraProducts`]) given the output's gradient `grad` and `h = x · down`, product by product
+/// (each through [`linear_x_backward`] or [`linear_weight_backward`]).
+pub fn lora_backward<B: FusedOps>(
+    products: &LoraProducts<B>,
+    h: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    options: &KernelOptions,
+) -> [FloatTensor<B>; 3] {
+    let scaled = B::float_mul_scalar(grad.clone(), products.alpha.into());
+    let dh = linear_x_backward::<B>(products.up.clone(), scaled.clone(), options);
+    let dx = B::float_add(
+        linear_x_backward::<B>(products.weight.clone(), grad, options),
+        linear_x_backward::<B>(products.down.clone(), dh.clone(), options),
+    );
+    let d_down = linear_weight_backward::<B>(products.x.clone(), dh, options);
+    let d_up = linear_weight_backward::<B>(h, scaled, options);
+    [dx, d_down, d_up]
 }

@@ -7,9 +7,10 @@ use burn::backend::Autodiff;
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Distribution, Tensor, TensorData, Tolerance};
+use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive, Tolerance};
 use burn_kernels::{
-    KernelOptions, Kernels, attention, counters, gelu_tanh, layer_norm, rms_norm, rms_norm_rope,
+    KernelOptions, Kernels, LoraProducts, attention, counters, gelu_tanh, layer_norm, products,
+    rms_norm, rms_norm_rope,
 };
 
 /// GELU (tanh) written as separate ops.
@@ -129,4 +130,63 @@ fn options_switch_paths_off_for_the_installing_thread_only() {
         );
     }
     assert!(gelu_tanh(&x).is_some());
+}
+
+/// The LoRA layer's gradients product by product (`products::lora_backward`, the fallback of
+/// the one-ordering backward) equal what autodiff gives for `x · w + alpha · (x · d) · u`
+/// written as separate ops, for a transposed down factor as a LoRA layer passes it.
+#[test]
+fn lora_gradients_product_by_product_match_autodiff() {
+    type A = Autodiff<Flex>;
+    let device = Default::default();
+    let random = |shape: [usize; 2]| {
+        Tensor::<Flex, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+    };
+    let x = Tensor::<Flex, 3>::random([2, 5, 12], Distribution::Normal(0.0, 1.0), &device);
+    let (weight, down, up, grad) = (
+        random([12, 7]),
+        random([4, 12]),
+        random([4, 7]),
+        random([10, 7]),
+    );
+    let grad = grad.reshape([2, 5, 7]);
+    let alpha = 0.75;
+
+    let leaf = |t: &Tensor<Flex, 2>| Tensor::<A, 2>::from_data(t.to_data(), &device).require_grad();
+    let (xa, da, ua) = (
+        Tensor::<A, 3>::from_data(x.to_data(), &device).require_grad(),
+        leaf(&down),
+        leaf(&up),
+    );
+    let wa = Tensor::<A, 2>::from_data(weight.to_data(), &device);
+    let y = xa.clone().matmul(wa.unsqueeze())
+        + xa.clone()
+            .matmul(da.clone().transpose().unsqueeze())
+            .matmul(ua.clone().unsqueeze())
+            * alpha;
+    let grads = (y * Tensor::<A, 3>::from_data(grad.to_data(), &device))
+        .sum()
+        .backward();
+
+    let h = x.clone().matmul(down.clone().transpose().unsqueeze());
+    let products = LoraProducts {
+        x: x.into_primitive().tensor(),
+        weight: weight.into_primitive().tensor(),
+        down: down.transpose().into_primitive().tensor(),
+        up: up.into_primitive().tensor(),
+        alpha: alpha as f32,
+    };
+    let [dx, d_down, d_up] = products::lora_backward::<Flex>(
+        &products,
+        h.into_primitive().tensor(),
+        grad.into_primitive().tensor(),
+        &KernelOptions::default(),
+    );
+    let tensor = |t| Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(t));
+    close(
+        Tensor::<Flex, 3>::from_primitive(TensorPrimitive::Float(dx)),
+        xa.grad(&grads).unwrap(),
+    );
+    close(tensor(d_down).transpose(), da.grad(&grads).unwrap());
+    close(tensor(d_up), ua.grad(&grads).unwrap());
 }

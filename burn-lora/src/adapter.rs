@@ -207,6 +207,16 @@ impl<B: Backend> Adapter<B> {
         }
     }
 
+    /// Whether the adapter branch sees `x` itself ([`input`](Self::input) has no dropout to
+    /// apply and no cast to make), so that its products may read the base layer's input.
+    pub(crate) fn reads_as_is<const D: usize>(&self, x: &Tensor<B, D>) -> bool {
+        let dropout = match self {
+            Self::Lora(w) => &w.dropout,
+            Self::Lokr(w) => &w.dropout,
+        };
+        dropout.prob == 0.0 && x.dtype() == self.dtype()
+    }
+
     /// Dropout then cast to the adapter dtype: what the adapter branch sees of the input.
     pub(crate) fn input<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let x = match self {

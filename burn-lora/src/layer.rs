@@ -208,7 +208,8 @@ impl<B: Kernels> Adapted<B, Linear<B>> {
     /// BLAS where the backend has one, else exactly `nn::Linear::forward`), plus the adapter's
     /// update; a LoRA's up factor accumulates its product into the base's output
     /// ([`burn_kernels::linear_add`]), which on a backend without BLAS is the same sum as
-    /// separate ops.
+    /// separate ops. A LoRA that reads the input as it is (no dropout, the input's dtype) runs
+    /// as one [`burn_kernels::lora_linear`], its products in one place in the backend's order.
     ///
     /// # Shapes
     ///
@@ -218,6 +219,21 @@ impl<B: Kernels> Adapted<B, Linear<B>> {
         let Some((adapter, factor)) = self.active() else {
             return self.base_forward(input);
         };
+        let weight = self.base.weight.val();
+        if adapter.reads_as_is(&input)
+            && weight.dtype() == input.dtype()
+            && let Some((down, up)) = adapter.forward_factors()
+        {
+            let bias = self.base.bias.as_ref().map(|b| b.val());
+            return burn_kernels::lora_linear(
+                input,
+                weight,
+                bias,
+                down.transpose(),
+                up.transpose(),
+                factor,
+            );
+        }
         let y = self.base_forward(input.clone());
         let x = adapter.input(input);
         match adapter.forward_factors() {

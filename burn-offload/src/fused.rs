@@ -2,8 +2,9 @@
 //! tensors. An operand that is a streamed weight (not on the device) declines the fused path;
 //! the model's separate ops then meet it and materialize it, counted in the step's stats.
 
+use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
-use burn_kernels::{ConvGrad, FusedOps, KernelOptions, NormRope, UnaryOp};
+use burn_kernels::{ConvGrad, FusedOps, KernelOptions, LoraProducts, NormRope, UnaryOp};
 
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
 use crate::target::StreamTarget;
@@ -26,6 +27,36 @@ fn inner_norm_rope<B: StreamTarget, P: PrefetchPolicy>(
         cos: inner(&o.cos)?.clone(),
         sin: inner(&o.sin)?.clone(),
         eps: o.eps,
+    })
+}
+
+/// `op` on `weight` on the device: itself, or a streamed weight fetched as the decorator's
+/// linear ops fetch it (a use of `flops` in the step's profile).
+fn on_device<B: StreamTarget, P: PrefetchPolicy, R>(
+    weight: &OffloadTensor<B>,
+    flops: f64,
+    op: impl FnOnce(&FloatTensor<B>) -> Option<R>,
+) -> Option<R> {
+    match weight.as_streamed() {
+        None => op(inner(weight)?),
+        Some(streamed) => streamed
+            .engine
+            .with_weight(&streamed.weight, flops, P::depth, |w| op(&w)),
+    }
+}
+
+/// The factors and the input of `products` as `B`'s tensors, the weight left to [`on_device`];
+/// `None` when one of them is a streamed weight.
+fn inner_lora<B: StreamTarget>(
+    products: &LoraProducts<Offload<B, impl PrefetchPolicy>>,
+    weight: &FloatTensor<B>,
+) -> Option<LoraProducts<B>> {
+    Some(LoraProducts {
+        x: inner(&products.x)?.clone(),
+        weight: weight.clone(),
+        down: inner(&products.down)?.clone(),
+        up: inner(&products.up)?.clone(),
+        alpha: products.alpha,
     })
 }
 
@@ -119,6 +150,36 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         B::blas_matmul_add(lhs, rhs, addend, alpha, options)
             .map(outer)
             .map_err(outer)
+    }
+
+    /// A streamed base weight is fetched for the products, as the linear op fetches it.
+    fn blas_lora(
+        products: &LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let shape = products.weight.shape();
+        let flops = 2.0 * products.x.shape().num_elements() as f64 * shape[1] as f64;
+        let (y, h) = on_device::<B, P, _>(&products.weight, flops, |weight| {
+            B::blas_lora(&inner_lora(products, weight)?, options)
+        })?;
+        Some((outer(y), outer(h)))
+    }
+
+    /// A streamed base weight is fetched for the input's gradient, as `linear_x_backward`
+    /// fetches it.
+    fn blas_lora_backward(
+        products: &LoraProducts<Self>,
+        h: &FloatTensor<Self>,
+        grad: &FloatTensor<Self>,
+        options: &KernelOptions,
+    ) -> Option<[FloatTensor<Self>; 3]> {
+        let (h, grad_inner) = (inner(h)?, inner(grad)?);
+        let shape = products.weight.shape();
+        let flops = 2.0 * grad.shape().num_elements() as f64 * shape[0] as f64;
+        let gradients = on_device::<B, P, _>(&products.weight, flops, |weight| {
+            B::blas_lora_backward(&inner_lora(products, weight)?, h, grad_inner, options)
+        })?;
+        Some(gradients.map(outer))
     }
 
     fn dnn_conv2d(

@@ -183,16 +183,46 @@ fn run(
     scales: (f32, f32),
     options: &KernelOptions,
 ) -> bool {
-    let done = SideContext::of(&lhs.device).and_then(|side| {
+    let step = Step {
+        plan: plan.clone(),
+        operands: [0, 1, 2],
+        scales,
+    };
+    run_steps(lhs, buffers, &[step], dtype, options)
+}
+
+/// One product of a batch: `C ← alpha · op(A) · op(B) + beta · C`, where `operands` are the
+/// indices of `[A, B, C]` in the batch's buffers and `scales` is `(alpha, beta)`.
+struct Step {
+    plan: GemmPlan,
+    operands: [usize; 3],
+    scales: (f32, f32),
+}
+
+/// Runs `steps` one after the other on the cuBLAS stream, all in one place in CubeCL's order
+/// (`like`'s client and device); `false` (logged) when they could not.
+fn run_steps<const N: usize>(
+    like: &CubeTensor<CudaRuntime>,
+    buffers: [&Handle; N],
+    steps: &[Step],
+    dtype: cudaDataType,
+    options: &KernelOptions,
+) -> bool {
+    let done = SideContext::of(&like.device).and_then(|side| {
         let blas = side.blas()?;
         let blas = blas.lock().unwrap();
         ordered(
-            &lhs.client,
+            &like.client,
             &side,
             &blas.stream,
             options.order,
             buffers,
-            |addresses| blas.gemm(plan, addresses, dtype, scales),
+            |addresses| {
+                steps.iter().try_for_each(|step| {
+                    let abc = step.operands.map(|i| addresses[i]);
+                    blas.gemm(&step.plan, abc, dtype, step.scales)
+                })
+            },
         )
     });
     if let Err(error) = done {
@@ -237,4 +267,191 @@ pub(crate) fn matmul_add(
         return Err(addend);
     }
     Ok(addend)
+}
+
+/// A matrix's transposed view: the last two dimensions of `shape` and `strides` swapped.
+fn transposed(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let (mut shape, mut strides) = (shape.to_vec(), strides.to_vec());
+    let rank = shape.len();
+    shape.swap(rank - 2, rank - 1);
+    strides.swap(rank - 2, rank - 1);
+    (shape, strides)
+}
+
+/// A layout held as owned shape and strides.
+fn view((shape, strides): &(Vec<usize>, Vec<usize>)) -> Layout<'_> {
+    Layout { shape, strides }
+}
+
+/// Row-major strides of a contiguous tensor of `shape`.
+fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// `shape` with its last dimension set to `last`.
+fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
+    let mut shape = shape.to_vec();
+    *shape.last_mut().expect("a matrix operand") = last;
+    shape
+}
+
+/// A fresh contiguous tensor of `shape` and `like`'s dtype.
+fn fresh(like: &CubeTensor<CudaRuntime>, shape: Vec<usize>) -> CubeTensor<CudaRuntime> {
+    let shape = Shape::from(shape);
+    let handle = like.client.empty(shape.num_elements() * like.dtype.size());
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        like.dtype,
+    )
+}
+
+/// The cuBLAS data type the operands share, where they share one cuBLAS takes and the route
+/// is on.
+fn shared_type(
+    operands: &[&CubeTensor<CudaRuntime>],
+    options: &KernelOptions,
+) -> Option<cudaDataType> {
+    let dtype = operands[0].dtype;
+    let fits = options.blas != BlasRoute::Off
+        && operands
+            .iter()
+            .all(|t| t.dtype == dtype && t.qparams.is_none());
+    fits.then(|| data_type(dtype)).flatten()
+}
+
+/// A LoRA layer's products, `(x · weight + alpha · h · up, h)` with `h = x · down`, through
+/// cuBLAS in one ordering; `None` where a product does not fit (see [`plan`] and `routed`) or
+/// cuBLAS fails (logged).
+pub(crate) fn lora(
+    [x, weight, down, up]: [&CubeTensor<CudaRuntime>; 4],
+    alpha: f32,
+    options: &KernelOptions,
+) -> Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+    let dtype = shared_type(&[x, weight, down, up], options)?;
+    let rank = *down.meta.shape().last()?;
+    let h_shape = with_last(x.meta.shape(), rank);
+    let h_strides = contiguous_strides(&h_shape);
+    let h_layout = Layout {
+        shape: &h_shape,
+        strides: &h_strides,
+    };
+    let plans = [
+        plan(layout(x), layout(down))?,
+        plan(layout(x), layout(weight))?,
+        plan(h_layout, layout(up))?,
+    ];
+    if !plans.iter().all(|p| routed(p, options)) {
+        return None;
+    }
+    let [plan_h, plan_y, plan_up] = plans;
+    let h = fresh(x, h_shape);
+    let y = fresh(x, plan_y.out_shape.clone());
+    // Buffers: x 0, weight 1, down 2, up 3, h 4, y 5.
+    let buffers = [
+        &x.handle,
+        &weight.handle,
+        &down.handle,
+        &up.handle,
+        &h.handle,
+        &y.handle,
+    ];
+    let steps = [
+        Step {
+            plan: plan_h,
+            operands: [2, 0, 4],
+            scales: (1.0, 0.0),
+        },
+        Step {
+            plan: plan_y,
+            operands: [1, 0, 5],
+            scales: (1.0, 0.0),
+        },
+        Step {
+            plan: plan_up,
+            operands: [3, 4, 5],
+            scales: (alpha, 1.0),
+        },
+    ];
+    run_steps(x, buffers, &steps, dtype, options).then_some((y, h))
+}
+
+/// The gradients `[x, down, up]` of [`lora`]'s output given its gradient `grad` and the
+/// forward's `h`, the five products through cuBLAS in one ordering:
+/// `dh = alpha · grad · upᵀ`, `dx = grad · weightᵀ + dh · downᵀ`, `d_down = xᵀ · dh` and
+/// `d_up = alpha · hᵀ · grad` over all rows. `None` where a product does not fit or cuBLAS fails
+/// (logged).
+pub(crate) fn lora_backward(
+    [x, weight, down, up]: [&CubeTensor<CudaRuntime>; 4],
+    h: &CubeTensor<CudaRuntime>,
+    grad: &CubeTensor<CudaRuntime>,
+    alpha: f32,
+    options: &KernelOptions,
+) -> Option<[CubeTensor<CudaRuntime>; 3]> {
+    let dtype = shared_type(&[x, weight, down, up, h, grad], options)?;
+    // The weight gradients sum over every row: the rows of x, h and grad as one matrix each.
+    let (x, grad) = (into_contiguous(x.clone()), into_contiguous(grad.clone()));
+    let rank = *down.meta.shape().last()?;
+    let (d_in, d_out) = (*x.meta.shape().last()?, *grad.meta.shape().last()?);
+    let rows = x.meta.shape().num_elements() / d_in.max(1);
+    let as_rows = |cols: usize| (vec![rows, cols], vec![cols, 1]);
+    let (up_t, weight_t, down_t) = (
+        transposed(up.meta.shape(), up.meta.strides()),
+        transposed(weight.meta.shape(), weight.meta.strides()),
+        transposed(down.meta.shape(), down.meta.strides()),
+    );
+    let dh_shape = with_last(grad.meta.shape(), rank);
+    let dh_strides = contiguous_strides(&dh_shape);
+    let (x_rows, dh_rows, h_rows, grad_rows) =
+        (as_rows(d_in), as_rows(rank), as_rows(rank), as_rows(d_out));
+    let x_rows_t = transposed(&x_rows.0, &x_rows.1);
+    let h_rows_t = transposed(&h_rows.0, &h_rows.1);
+    let dh_view = (dh_shape.clone(), dh_strides);
+    let plans = [
+        plan(layout(&grad), view(&up_t))?,
+        plan(layout(&grad), view(&weight_t))?,
+        plan(view(&dh_view), view(&down_t))?,
+        plan(view(&x_rows_t), view(&dh_rows))?,
+        plan(view(&h_rows_t), view(&grad_rows))?,
+    ];
+    if !h.is_contiguous() || !plans.iter().all(|p| routed(p, options)) {
+        return None;
+    }
+    let [plan_dh, plan_dx, plan_dx_lora, plan_down, plan_up] = plans;
+    let dh = fresh(&x, dh_shape);
+    let dx = fresh(&x, plan_dx.out_shape.clone());
+    let d_down = fresh(&x, plan_down.out_shape.clone());
+    let d_up = fresh(&x, plan_up.out_shape.clone());
+    // Buffers: x 0, weight 1, down 2, up 3, h 4, grad 5, dh 6, dx 7, d_down 8, d_up 9.
+    let buffers = [
+        &x.handle,
+        &weight.handle,
+        &down.handle,
+        &up.handle,
+        &h.handle,
+        &grad.handle,
+        &dh.handle,
+        &dx.handle,
+        &d_down.handle,
+        &d_up.handle,
+    ];
+    let step = |plan, operands, scales| Step {
+        plan,
+        operands,
+        scales,
+    };
+    let steps = [
+        step(plan_dh, [3, 5, 6], (alpha, 0.0)),
+        step(plan_dx, [1, 5, 7], (1.0, 0.0)),
+        step(plan_dx_lora, [2, 6, 7], (1.0, 1.0)),
+        step(plan_down, [6, 0, 8], (1.0, 0.0)),
+        step(plan_up, [5, 4, 9], (alpha, 0.0)),
+    ];
+    run_steps(&x, buffers, &steps, dtype, options).then_some([dx, d_down, d_up])
 }

@@ -28,7 +28,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use crate::cube::elementwise_ops;
 use crate::error::KernelError;
-use crate::fused::{ConvGrad, FusedOps};
+use crate::fused::{ConvGrad, FusedOps, LoraProducts};
 use crate::options::{BlasRoute, KernelOptions};
 
 pub use flash::FlashSaved;
@@ -232,6 +232,24 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         options: &KernelOptions,
     ) -> Result<CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>> {
         blas::matmul_add(lhs, rhs, addend, alpha, options)
+    }
+
+    fn blas_lora(
+        products: &LoraProducts<Self>,
+        options: &KernelOptions,
+    ) -> Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+        let p = products;
+        blas::lora([&p.x, &p.weight, &p.down, &p.up], p.alpha, options)
+    }
+
+    fn blas_lora_backward(
+        products: &LoraProducts<Self>,
+        h: &CubeTensor<CudaRuntime>,
+        grad: &CubeTensor<CudaRuntime>,
+        options: &KernelOptions,
+    ) -> Option<[CubeTensor<CudaRuntime>; 3]> {
+        let p = products;
+        blas::lora_backward([&p.x, &p.weight, &p.down, &p.up], h, grad, p.alpha, options)
     }
 
     fn dnn_conv2d(

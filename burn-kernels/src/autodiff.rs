@@ -343,10 +343,20 @@ impl<B: FusedOps> Backward<B, 3> for LoraBackward {
             }
             None => products::lora_backward::<B>(&products, h, grad, &options),
         };
-        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, gradient);
-            }
+        let ids = ops.parents.map(|parent| parent.map(|node| node.id));
+        register_each::<B, 3>(ids, gradients, grads);
+    }
+}
+
+/// Registers each gradient for its parent's node, where the parent needs one.
+fn register_each<B: FusedOps, const N: usize>(
+    ids: [Option<NodeId>; N],
+    gradients: [FloatTensor<B>; N],
+    grads: &mut Gradients,
+) {
+    for (id, gradient) in ids.into_iter().zip(gradients) {
+        if let Some(id) = id {
+            grads.register::<B>(id, gradient);
         }
     }
 }
@@ -393,11 +403,8 @@ impl<B: FusedOps> Backward<B, 3> for AttentionBackward {
         let AttentionState { qkv, saved, scale } = ops.state;
         let [q, k, v] = &qkv;
         let gradients = B::fused_attention_backward([q, k, v], &saved, grad, scale);
-        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, gradient);
-            }
-        }
+        let ids = ops.parents.map(|parent| parent.map(|node| node.id));
+        register_each::<B, 3>(ids, gradients, grads);
     }
 }
 

@@ -183,11 +183,7 @@ fn run(
     scales: (f32, f32),
     options: &KernelOptions,
 ) -> bool {
-    let step = Step {
-        plan: plan.clone(),
-        operands: [0, 1, 2],
-        scales,
-    };
+    let step = Step::new(plan.clone(), [0, 1, 2], scales);
     run_steps(lhs, buffers, &[step], dtype, options)
 }
 
@@ -197,6 +193,16 @@ struct Step {
     plan: GemmPlan,
     operands: [usize; 3],
     scales: (f32, f32),
+}
+
+impl Step {
+    fn new(plan: GemmPlan, operands: [usize; 3], scales: (f32, f32)) -> Self {
+        Self {
+            plan,
+            operands,
+            scales,
+        }
+    }
 }
 
 /// Runs `steps` one after the other on the cuBLAS stream, all in one place in CubeCL's order
@@ -363,21 +369,9 @@ pub(crate) fn lora(
         &y.handle,
     ];
     let steps = [
-        Step {
-            plan: plan_h,
-            operands: [2, 0, 4],
-            scales: (1.0, 0.0),
-        },
-        Step {
-            plan: plan_y,
-            operands: [1, 0, 5],
-            scales: (1.0, 0.0),
-        },
-        Step {
-            plan: plan_up,
-            operands: [3, 4, 5],
-            scales: (alpha, 1.0),
-        },
+        Step::new(plan_h, [2, 0, 4], (1.0, 0.0)),
+        Step::new(plan_y, [1, 0, 5], (1.0, 0.0)),
+        Step::new(plan_up, [3, 4, 5], (alpha, 1.0)),
     ];
     run_steps(x, buffers, &steps, dtype, options).then_some((y, h))
 }
@@ -441,17 +435,12 @@ pub(crate) fn lora_backward(
         &d_down.handle,
         &d_up.handle,
     ];
-    let step = |plan, operands, scales| Step {
-        plan,
-        operands,
-        scales,
-    };
     let steps = [
-        step(plan_dh, [3, 5, 6], (alpha, 0.0)),
-        step(plan_dx, [1, 5, 7], (1.0, 0.0)),
-        step(plan_dx_lora, [2, 6, 7], (1.0, 1.0)),
-        step(plan_down, [6, 0, 8], (1.0, 0.0)),
-        step(plan_up, [5, 4, 9], (alpha, 0.0)),
+        Step::new(plan_dh, [3, 5, 6], (alpha, 0.0)),
+        Step::new(plan_dx, [1, 5, 7], (1.0, 0.0)),
+        Step::new(plan_dx_lora, [2, 6, 7], (1.0, 1.0)),
+        Step::new(plan_down, [6, 0, 8], (1.0, 0.0)),
+        Step::new(plan_up, [5, 4, 9], (alpha, 0.0)),
     ];
     run_steps(&x, buffers, &steps, dtype, options).then_some([dx, d_down, d_up])
 }

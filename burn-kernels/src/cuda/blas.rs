@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
@@ -307,13 +308,10 @@ fn with_last(shape: &[usize], last: usize) -> Vec<usize> {
 
 /// A fresh contiguous tensor of `shape` and `like`'s dtype.
 fn fresh(like: &CubeTensor<CudaRuntime>, shape: Vec<usize>) -> CubeTensor<CudaRuntime> {
-    let shape = Shape::from(shape);
-    let handle = like.client.empty(shape.num_elements() * like.dtype.size());
-    CubeTensor::new_contiguous(
+    empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
-        shape,
-        handle,
+        Shape::from(shape),
         like.dtype,
     )
 }

@@ -11,7 +11,8 @@
 //! the backend they decorate), and `Autodiff<B, C>` of any such `B`, under any checkpoint
 //! strategy, records each fused forward as one op with the fused backward. Layers call
 //! [`linear`], which sends the product to the vendor BLAS on every such backend, resident or
-//! not; a decorator routes its own matrix products with [`products`].
+//! not, and LoRA layers [`lora_linear`], whose products go there together; a decorator routes
+//! its own matrix products with [`products`].
 //!
 //! Which paths run is a value, [`KernelOptions`], installed per thread by the caller
 //! ([`KernelOptions::install`]); [`counters`] says what ran. A fast path that fails falls back

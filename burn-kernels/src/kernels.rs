@@ -246,7 +246,14 @@ pub fn linear<B: Kernels, const D: usize>(
         return burn::tensor::module::linear(x, weight, bias);
     };
     counters::count_blas_product();
-    let out: Tensor<B, D> = tensor(out);
+    with_bias(tensor(out), bias)
+}
+
+/// `out + bias` over the last dimension, as Burn's linear adds it.
+fn with_bias<B: Backend, const D: usize>(
+    out: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
     match bias {
         Some(bias) => out + bias.unsqueeze(),
         None => out,
@@ -317,11 +324,7 @@ pub fn lora_linear<B: Kernels, const D: usize>(
         return linear_add(linear(x, down, None), up, y, alpha);
     };
     counters::count_lora(3);
-    let out: Tensor<B, D> = tensor(out);
-    match bias {
-        Some(bias) => out + bias.unsqueeze(),
-        None => out,
-    }
+    with_bias(tensor(out), bias)
 }
 
 /// A trainable parameter as the forward reads it: the same values, whose gradient the backend

@@ -1,12 +1,14 @@
 //! [`FusedOps`] for `Offload<B, P>`: the fused kernels of `B` on the decorator's device
-//! tensors. An operand that is a streamed weight (not on the device) declines the fused path;
-//! the model's separate ops then meet it and materialize it, counted in the step's stats.
+//! tensors. An operand that is a streamed weight (not on the device) declines the fused path
+//! (the model's separate ops then meet it and materialize it, counted in the step's stats),
+//! except the base weight of a LoRA layer's products, fetched as the linear ops fetch it.
 
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn_kernels::{ConvGrad, FusedOps, KernelOptions, LoraProducts, NormRope, UnaryOp};
 
 use crate::backend::{Offload, OffloadTensor, PrefetchPolicy};
+use crate::ops::module::linear_flops;
 use crate::target::StreamTarget;
 
 fn inner<B: StreamTarget>(t: &OffloadTensor<B>) -> Option<&FloatTensor<B>> {
@@ -30,34 +32,39 @@ fn inner_norm_rope<B: StreamTarget, P: PrefetchPolicy>(
     })
 }
 
-/// `op` on `weight` on the device: itself, or a streamed weight fetched as the decorator's
-/// linear ops fetch it (a use of `flops` in the step's profile).
-fn on_device<B: StreamTarget, P: PrefetchPolicy, R>(
-    weight: &OffloadTensor<B>,
+/// `products` as `B`'s tensors handed to `op`, the base weight on the device: itself, or a
+/// streamed weight fetched as the decorator's linear ops fetch it (a use of `flops` in the
+/// step's profile). `None`, with nothing fetched, when `B` routes no products to a BLAS under
+/// `options` or the input or a factor is a streamed weight.
+fn with_lora<B: StreamTarget, P: PrefetchPolicy, R>(
+    products: &LoraProducts<Offload<B, P>>,
     flops: f64,
-    op: impl FnOnce(&FloatTensor<B>) -> Option<R>,
+    options: &KernelOptions,
+    op: impl FnOnce(&LoraProducts<B>) -> Option<R>,
 ) -> Option<R> {
-    match weight.as_streamed() {
-        None => op(inner(weight)?),
+    if !B::blas_routes(options) {
+        return None;
+    }
+    let (x, down, up) = (
+        inner(&products.x)?,
+        inner(&products.down)?,
+        inner(&products.up)?,
+    );
+    let run = |weight: &FloatTensor<B>| {
+        op(&LoraProducts {
+            x: x.clone(),
+            weight: weight.clone(),
+            down: down.clone(),
+            up: up.clone(),
+            alpha: products.alpha,
+        })
+    };
+    match products.weight.as_streamed() {
+        None => run(inner(&products.weight)?),
         Some(streamed) => streamed
             .engine
-            .with_weight(&streamed.weight, flops, P::depth, |w| op(&w)),
+            .with_weight(&streamed.weight, flops, P::depth, |w| run(&w)),
     }
-}
-
-/// The factors and the input of `products` as `B`'s tensors, the weight left to [`on_device`];
-/// `None` when one of them is a streamed weight.
-fn inner_lora<B: StreamTarget>(
-    products: &LoraProducts<Offload<B, impl PrefetchPolicy>>,
-    weight: &FloatTensor<B>,
-) -> Option<LoraProducts<B>> {
-    Some(LoraProducts {
-        x: inner(&products.x)?.clone(),
-        weight: weight.clone(),
-        down: inner(&products.down)?.clone(),
-        up: inner(&products.up)?.clone(),
-        alpha: products.alpha,
-    })
 }
 
 impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
@@ -157,10 +164,9 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         products: &LoraProducts<Self>,
         options: &KernelOptions,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        let shape = products.weight.shape();
-        let flops = 2.0 * products.x.shape().num_elements() as f64 * shape[1] as f64;
-        let (y, h) = on_device::<B, P, _>(&products.weight, flops, |weight| {
-            B::blas_lora(&inner_lora(products, weight)?, options)
+        let flops = linear_flops(&products.x, &products.weight.shape(), 1);
+        let (y, h) = with_lora(products, flops, options, |inner| {
+            B::blas_lora(inner, options)
         })?;
         Some((outer(y), outer(h)))
     }
@@ -173,11 +179,10 @@ impl<B: StreamTarget, P: PrefetchPolicy> FusedOps for Offload<B, P> {
         grad: &FloatTensor<Self>,
         options: &KernelOptions,
     ) -> Option<[FloatTensor<Self>; 3]> {
-        let (h, grad_inner) = (inner(h)?, inner(grad)?);
-        let shape = products.weight.shape();
-        let flops = 2.0 * grad.shape().num_elements() as f64 * shape[0] as f64;
-        let gradients = on_device::<B, P, _>(&products.weight, flops, |weight| {
-            B::blas_lora_backward(&inner_lora(products, weight)?, h, grad_inner, options)
+        let flops = linear_flops(grad, &products.weight.shape(), 0);
+        let (h, grad) = (inner(h)?, inner(grad)?);
+        let gradients = with_lora(products, flops, options, |inner| {
+            B::blas_lora_backward(inner, h, grad, options)
         })?;
         Some(gradients.map(outer))
     }

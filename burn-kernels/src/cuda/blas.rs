@@ -134,10 +134,7 @@ pub(crate) fn matmul(
     rhs: &CubeTensor<CudaRuntime>,
     options: &KernelOptions,
 ) -> Option<CubeTensor<CudaRuntime>> {
-    if options.blas == BlasRoute::Off || lhs.dtype != rhs.dtype || lhs.qparams.is_some() {
-        return None;
-    }
-    let dtype = data_type(lhs.dtype)?;
+    let dtype = shared_type(&[lhs, rhs], options)?;
     let (lhs, rhs, plan) = match plan(layout(lhs), layout(rhs)) {
         Some(plan) => (lhs.clone(), rhs.clone(), plan),
         // Layouts cuBLAS cannot take (batch dimensions that do not collapse into one stride,
@@ -251,16 +248,8 @@ pub(crate) fn matmul_add(
     alpha: f32,
     options: &KernelOptions,
 ) -> Result<CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>> {
-    if options.blas == BlasRoute::Off
-        || lhs.dtype != rhs.dtype
-        || addend.dtype != lhs.dtype
-        || lhs.qparams.is_some()
-        || !addend.can_mut()
-        || !addend.is_contiguous()
-    {
-        return Err(addend);
-    }
-    let Some(dtype) = data_type(lhs.dtype) else {
+    let dtype = shared_type(&[lhs, rhs, &addend], options);
+    let Some(dtype) = dtype.filter(|_| addend.can_mut() && addend.is_contiguous()) else {
         return Err(addend);
     };
     let Some(plan) = plan(layout(lhs), layout(rhs)) else {
@@ -290,13 +279,13 @@ fn view((shape, strides): &(Vec<usize>, Vec<usize>)) -> Layout<'_> {
     Layout { shape, strides }
 }
 
-/// Row-major strides of a contiguous tensor of `shape`.
-fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+/// `shape` with the row-major strides of a contiguous tensor.
+fn contiguous(shape: Vec<usize>) -> (Vec<usize>, Vec<usize>) {
     let mut strides = vec![1; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * shape[i + 1];
     }
-    strides
+    (shape, strides)
 }
 
 /// `shape` with its last dimension set to `last`.
@@ -340,22 +329,17 @@ pub(crate) fn lora(
 ) -> Option<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
     let dtype = shared_type(&[x, weight, down, up], options)?;
     let rank = *down.meta.shape().last()?;
-    let h_shape = with_last(x.meta.shape(), rank);
-    let h_strides = contiguous_strides(&h_shape);
-    let h_layout = Layout {
-        shape: &h_shape,
-        strides: &h_strides,
-    };
+    let h_view = contiguous(with_last(x.meta.shape(), rank));
     let plans = [
         plan(layout(x), layout(down))?,
         plan(layout(x), layout(weight))?,
-        plan(h_layout, layout(up))?,
+        plan(view(&h_view), layout(up))?,
     ];
     if !plans.iter().all(|p| routed(p, options)) {
         return None;
     }
     let [plan_h, plan_y, plan_up] = plans;
-    let h = fresh(x, h_shape);
+    let h = fresh(x, h_view.0);
     let y = fresh(x, plan_y.out_shape.clone());
     // Buffers: x 0, weight 1, down 2, up 3, h 4, y 5.
     let buffers = [
@@ -398,25 +382,23 @@ pub(crate) fn lora_backward(
         transposed(weight.meta.shape(), weight.meta.strides()),
         transposed(down.meta.shape(), down.meta.strides()),
     );
-    let dh_shape = with_last(grad.meta.shape(), rank);
-    let dh_strides = contiguous_strides(&dh_shape);
-    let (x_rows, dh_rows, h_rows, grad_rows) =
-        (as_rows(d_in), as_rows(rank), as_rows(rank), as_rows(d_out));
+    let dh_view = contiguous(with_last(grad.meta.shape(), rank));
+    // dh and h share their row layout.
+    let (x_rows, rank_rows, grad_rows) = (as_rows(d_in), as_rows(rank), as_rows(d_out));
     let x_rows_t = transposed(&x_rows.0, &x_rows.1);
-    let h_rows_t = transposed(&h_rows.0, &h_rows.1);
-    let dh_view = (dh_shape.clone(), dh_strides);
+    let h_rows_t = transposed(&rank_rows.0, &rank_rows.1);
     let plans = [
         plan(layout(&grad), view(&up_t))?,
         plan(layout(&grad), view(&weight_t))?,
         plan(view(&dh_view), view(&down_t))?,
-        plan(view(&x_rows_t), view(&dh_rows))?,
+        plan(view(&x_rows_t), view(&rank_rows))?,
         plan(view(&h_rows_t), view(&grad_rows))?,
     ];
     if !h.is_contiguous() || !plans.iter().all(|p| routed(p, options)) {
         return None;
     }
     let [plan_dh, plan_dx, plan_dx_lora, plan_down, plan_up] = plans;
-    let dh = fresh(&x, dh_shape);
+    let dh = fresh(&x, dh_view.0);
     let dx = fresh(&x, plan_dx.out_shape.clone());
     let d_down = fresh(&x, plan_down.out_shape.clone());
     let d_up = fresh(&x, plan_up.out_shape.clone());

@@ -11,7 +11,7 @@
 mod activation;
 mod bool_tensor;
 mod int_tensor;
-mod module;
+pub(crate) mod module;
 mod qtensor;
 mod tensor;
 mod transaction;

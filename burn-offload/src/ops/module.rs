@@ -20,7 +20,7 @@ use crate::target::StreamTarget;
 
 /// FLOP of a linear op whose activation (input, or output gradient) is `activation` and whose
 /// weight has shape `weight`: each activation element meets the weight's other dimension.
-fn linear_flops(
+pub(crate) fn linear_flops(
     activation: &OffloadTensor<impl StreamTarget>,
     weight: &[usize],
     along: usize,

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use burn_diffusion::Checkpointing;
+use burn_diffusion::sdxl::TEXT_ENCODERS;
 use burn_kernels::{BlasRoute, KernelOptions, StreamOrder};
 use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, LoraPlan};
 use burn_quant::Fp8Format;
@@ -261,6 +262,11 @@ pub struct TrainSectionYaml {
     /// recomputation (musubi-tuner's `--gradient_checkpointing_cpu_offload`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gradient_checkpointing_cpu_offload: bool,
+    /// Train LoRA on the text encoders too (SDXL's CLIP-L and bigG: every layer's attention
+    /// and MLP Linears, whatever `network.include` says); their encodings are then computed
+    /// in every step instead of cached.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub train_text_encoder: bool,
     /// σ sampling: `uniform`, `sigmoid` (= `logit_normal`), `shift` or `flux2_shift` (=
     /// `flux_shift`); default: the family's ([`Arch::default_timestep_type`]).
     #[serde(default)]
@@ -886,6 +892,8 @@ pub struct TrainSettings {
     pub max_grad_norm: Option<f64>,
     /// Block-level gradient checkpointing, and where the blocks' inputs wait.
     pub gradient_checkpointing: Checkpointing,
+    /// Whether the text encoders train (with adapters) beside the denoiser.
+    pub train_text_encoder: bool,
     /// σ sampling.
     pub timestep: TimestepSampling,
     /// Where σ is drawn.
@@ -1123,6 +1131,21 @@ impl TrainPlan {
             .map(|(i, d)| check_dataset(&mut c, i, d, &resolve))
             .collect();
         let save = check_save(&mut c, &yaml.save);
+        if yaml.train.train_text_encoder && yaml.save.format == Format::AiToolkit.name() {
+            c.fail(
+                "save.format",
+                "ai-toolkit files have no names for text-encoder layers; with \
+                 train.train_text_encoder, choose kohya or peft"
+                    .to_string(),
+            );
+        }
+        let network = network.map(|mut network| {
+            if yaml.train.train_text_encoder && !yaml.network.include.is_empty() {
+                let pattern = format!("^({})\\.", TEXT_ENCODERS.join("|"));
+                network.lora = network.lora.include(&pattern).expect("a valid pattern");
+            }
+            network
+        });
         let every = c.at_least("logging.log_every", yaml.logging.log_every, 1);
         let kernels = check_kernels(&mut c, &yaml.kernels);
 
@@ -1617,6 +1640,15 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
             None
         }
     };
+    let text_encoder = c.require(
+        !t.train_text_encoder || arch.trains_text_encoders(),
+        t.train_text_encoder,
+        "train.train_text_encoder",
+        &format!(
+            "{} keeps its text encoders frozen (sdxl trains them)",
+            arch.name()
+        ),
+    );
     Some(TrainSettings {
         steps: steps?,
         batch_size: batch?,
@@ -1630,6 +1662,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         lr_warmup_steps: warmup?,
         max_grad_norm: clip?,
         gradient_checkpointing: checkpointing?,
+        train_text_encoder: text_encoder?,
         timestep,
         timestep_range: timestep_range?,
         guidance_scale: guidance?,
@@ -2165,5 +2198,41 @@ mod tests {
             let plan = TrainPlan::load(&write(dir.path(), &yaml)).unwrap();
             assert_eq!(plan.train.timestep, expected, "{arch}");
         }
+    }
+
+    /// SDXL's text encoders train on request, saved by the formats that name them, and their
+    /// layers are adapted whatever `network.include` selects in the UNet.
+    #[test]
+    fn text_encoders_train_in_sdxl_only_and_in_formats_that_name_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let load = |yaml: String| TrainPlan::load(&write(dir.path(), &yaml));
+        let sdxl = MINIMAL.replace("arch: flux1", "arch: sdxl");
+        let included = sdxl.replace("{linear: 16}", "{linear: 16, include: [attentions]}");
+        let plan = load(format!("{included}train: {{train_text_encoder: true}}\n")).unwrap();
+        assert!(plan.train.train_text_encoder);
+        let lora = &plan.network.lora;
+        assert!(
+            lora.config_for("text_encoder_2.encoder.layers.0.mlp.fc1", false)
+                .is_some()
+        );
+        assert!(
+            lora.config_for("unet.down_blocks.1.attentions.0.proj_in", false)
+                .is_some()
+        );
+        assert!(
+            lora.config_for("unet.down_blocks.1.resnets.0.time_emb_proj", false)
+                .is_none()
+        );
+
+        let error = load(format!("{MINIMAL}train: {{train_text_encoder: true}}\n")).unwrap_err();
+        assert_eq!(
+            error.problems[0].field, "train.train_text_encoder",
+            "{error}"
+        );
+        let error = load(format!(
+            "{sdxl}train: {{train_text_encoder: true}}\nsave: {{format: ai-toolkit}}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(error.problems[0].field, "save.format", "{error}");
     }
 }

@@ -165,7 +165,7 @@ where
     };
     B::seed(device, plan.train.seed);
     let (mut flux, applied) = plan.network.lora.apply(flux);
-    names.map(plan.save.format).check(&applied)?;
+    names.check(plan.save.format, &applied)?;
     models::initialize(&flux);
     tracing::info!(
         "{} layers adapted, {} trainable parameters",

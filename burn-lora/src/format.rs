@@ -13,6 +13,7 @@ use serde_json::{Map, Value, json};
 
 use crate::LoraError;
 use crate::keymap::NameMap;
+use crate::plan::ApplyReport;
 use crate::set::{
     AdapterSet, LokrFactor, LoraMetadata, Matrix, Origin, Role, StoredAdapter, flatten_name,
 };
@@ -204,6 +205,78 @@ fn scalar(value: f32) -> TensorData {
 /// `burn_lora_modules`, the list of paths that lets [`load`] restore them. Other entries of
 /// `set.metadata.extra` are kept.
 pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), LoraError> {
+    save_parts(&[(set, options, "")], path)
+}
+
+/// Writes the adapters of every part in one file, each part named by its own options (its
+/// format and key prefix), as [`save`] writes one; the file's metadata is the first part's,
+/// its network entries (`ss_network_*`) cover every part, and the PEFT parts' alphas share one
+/// `lora_adapter_metadata` entry, each under its own prefix, module names without the part's
+/// leading `config_root` (see [`ComponentNames::peft_config_root`]).
+fn save_parts(parts: &[(&AdapterSet, &SaveOptions, &str)], path: &Path) -> Result<(), LoraError> {
+    let mut tensors = NamedTensors::new();
+    let mut peft_config = Map::new();
+    for (set, options, config_root) in parts {
+        let (part, mut alphas) = encode(set, options)?;
+        tensors.extend(part);
+        for (name, _, _) in &mut alphas {
+            if let Some(rest) = name.strip_prefix(config_root) {
+                *name = rest.to_string();
+            }
+        }
+        if !alphas.is_empty() {
+            peft_config.extend(peft_config_json(&alphas, options.prefix()));
+        }
+    }
+    let (first, _, _) = parts[0];
+    let mut metadata: HashMap<String, String> = first
+        .metadata
+        .extra
+        .iter()
+        .filter(|(k, _)| !DERIVED_KEYS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.insert("format".into(), "pt".into());
+    metadata.extend(network_metadata(
+        parts
+            .iter()
+            .flat_map(|(set, _, _)| set.iter().map(|(_, a)| a)),
+    ));
+    if let Some(base) = &first.metadata.base_model {
+        metadata.insert(META_BASE_MODEL.into(), base.clone());
+    }
+    if let Some(step) = first.metadata.step {
+        metadata.insert(META_STEP.into(), step.to_string());
+    }
+    let kohya_names: Vec<&str> = parts
+        .iter()
+        .filter(|(_, options, _)| options.format == Format::Kohya)
+        .flat_map(|(set, _, _)| set.iter().map(|(n, _)| n))
+        .collect();
+    if kohya_names.iter().any(|n| n.contains('.')) {
+        metadata.insert(META_MODULES.into(), json!(kohya_names).to_string());
+    }
+    if !peft_config.is_empty() {
+        metadata.insert(
+            META_PEFT_CONFIG.into(),
+            Value::Object(peft_config).to_string(),
+        );
+    }
+    write_atomic(path, &tensors, metadata)
+}
+
+/// Tensors by their keys in a file.
+type NamedTensors = Vec<(String, TensorData)>;
+
+/// The `(name, rank, alpha)` of each module whose alpha goes into the PEFT config.
+type PeftAlphas = Vec<(String, usize, f32)>;
+
+/// The tensors of `set` under `options`' keys, and, where alphas go into the PEFT config, each
+/// module's `(name, rank, alpha)`.
+fn encode(
+    set: &AdapterSet,
+    options: &SaveOptions,
+) -> Result<(NamedTensors, PeftAlphas), LoraError> {
     if options.format != Format::Kohya && set.has_flat_names() {
         let key = set
             .iter()
@@ -213,8 +286,8 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
         return Err(LoraError::UnresolvedName { key });
     }
     let prefix = options.prefix();
-    let mut tensors: Vec<(String, TensorData)> = Vec::new();
-    let mut peft_alphas: Vec<(String, usize, f32)> = Vec::new();
+    let mut tensors = NamedTensors::new();
+    let mut peft_alphas = PeftAlphas::new();
     for (name, adapter) in set.iter() {
         let adapter = match options.dtype {
             Some(dtype) => adapter.with_dtype(dtype),
@@ -259,33 +332,7 @@ pub fn save(set: &AdapterSet, path: &Path, options: &SaveOptions) -> Result<(), 
             }
         }
     }
-
-    let mut metadata: HashMap<String, String> = set
-        .metadata
-        .extra
-        .iter()
-        .filter(|(k, _)| !DERIVED_KEYS.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    metadata.insert("format".into(), "pt".into());
-    metadata.extend(network_metadata(set));
-    if let Some(base) = &set.metadata.base_model {
-        metadata.insert(META_BASE_MODEL.into(), base.clone());
-    }
-    if let Some(step) = set.metadata.step {
-        metadata.insert(META_STEP.into(), step.to_string());
-    }
-    if options.format == Format::Kohya && set.iter().any(|(n, _)| n.contains('.')) {
-        let names: Vec<&str> = set.iter().map(|(n, _)| n).collect();
-        metadata.insert(META_MODULES.into(), json!(names).to_string());
-    }
-    if !peft_alphas.is_empty() {
-        metadata.insert(
-            META_PEFT_CONFIG.into(),
-            peft_config_json(&peft_alphas, prefix).to_string(),
-        );
-    }
-    write_atomic(path, &tensors, metadata)
+    Ok((tensors, peft_alphas))
 }
 
 /// The most common value, ties broken by the smallest.
@@ -309,9 +356,11 @@ fn json_alpha(alpha: f32) -> Value {
     )
 }
 
-fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
+fn network_metadata<'a>(
+    adapters: impl Iterator<Item = &'a StoredAdapter>,
+) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    let adapters: Vec<&StoredAdapter> = set.iter().map(|(_, a)| a).collect();
+    let adapters: Vec<&StoredAdapter> = adapters.collect();
     if adapters.is_empty() {
         return out;
     }
@@ -346,7 +395,7 @@ fn network_metadata(set: &AdapterSet) -> Vec<(String, String)> {
 }
 
 /// The LoraConfig fields diffusers reads back, keys prefixed by the component name.
-fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
+fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Map<String, Value> {
     let r = most_common(alphas.iter().map(|(_, r, _)| *r)).expect("not empty");
     let alpha_bits = most_common(alphas.iter().map(|(_, _, a)| a.to_bits())).expect("not empty");
     let lora_alpha = f32::from_bits(alpha_bits);
@@ -374,7 +423,7 @@ fn peft_config_json(alphas: &[(String, usize, f32)], prefix: &str) -> Value {
     config.insert(key("rank_pattern"), Value::Object(rank_pattern));
     config.insert(key("alpha_pattern"), Value::Object(alpha_pattern));
     config.insert(key("target_modules"), json!(names));
-    Value::Object(config)
+    config
 }
 
 fn write_atomic(
@@ -419,37 +468,55 @@ struct ModuleKey {
     name: String,
 }
 
-fn classify(module: &str) -> Option<ModuleKey> {
-    if !module.contains('.') {
-        return KOHYA_PREFIXES.iter().find_map(|p| {
+/// The key prefixes a read takes: every diffusion model's ([`KOHYA_PREFIXES`],
+/// [`PEFT_PREFIXES`], and PEFT keys without a prefix), or one component's.
+#[derive(Clone, Copy, Debug)]
+struct Prefixes<'a> {
+    kohya: &'a [&'a str],
+    peft: &'a [&'a str],
+    /// Whether PEFT keys without a known prefix are taken as unprefixed module paths...
+    bare: bool,
+    /// ...unless they start with one of these prefixes (other components').
+    others: &'a [&'a str],
+}
+
+impl Prefixes<'_> {
+    const MODEL: Prefixes<'static> = Prefixes {
+        kohya: &KOHYA_PREFIXES,
+        peft: &PEFT_PREFIXES,
+        bare: true,
+        others: &[],
+    };
+
+    fn classify(self, module: &str) -> Option<ModuleKey> {
+        let split = |prefixes: &[&str], separator: char, kohya: bool| {
+            prefixes.iter().find_map(|p| {
+                module
+                    .strip_prefix(p)
+                    .and_then(|rest| rest.strip_prefix(separator))
+                    .map(|name| ModuleKey {
+                        kohya,
+                        prefix: p.to_string(),
+                        name: name.to_string(),
+                    })
+            })
+        };
+        if !module.contains('.') {
+            return split(self.kohya, '_', true);
+        }
+        let other = self.others.iter().any(|p| {
             module
                 .strip_prefix(p)
-                .and_then(|rest| rest.strip_prefix('_'))
-                .map(|name| ModuleKey {
-                    kohya: true,
-                    prefix: p.to_string(),
-                    name: name.to_string(),
-                })
+                .is_some_and(|rest| rest.starts_with('.'))
         });
-    }
-    let key = PEFT_PREFIXES
-        .iter()
-        .find_map(|p| {
-            module
-                .strip_prefix(p)
-                .and_then(|rest| rest.strip_prefix('.'))
-                .map(|name| ModuleKey {
-                    kohya: false,
-                    prefix: p.to_string(),
-                    name: name.to_string(),
-                })
+        split(self.peft, '.', false).or_else(|| {
+            (self.bare && !other).then(|| ModuleKey {
+                kohya: false,
+                prefix: String::new(),
+                name: module.to_string(),
+            })
         })
-        .unwrap_or(ModuleKey {
-            kohya: false,
-            prefix: String::new(),
-            name: module.to_string(),
-        });
-    Some(key)
+    }
 }
 
 /// The PEFT LoRA config that gives alphas: `lora_alpha`, `alpha_pattern`, `use_rslora`.
@@ -553,6 +620,11 @@ fn read_scalar(view: &TensorView<'_>, file: &Path, key: &str) -> Result<f32, Lor
 /// Keys that are not adapter tensors of the diffusion model are listed in
 /// [`AdapterSet::unrecognized_keys`].
 pub fn load(path: &Path) -> Result<AdapterSet, LoraError> {
+    load_prefixed(path, Prefixes::MODEL)
+}
+
+/// [`load`] of the modules whose keys carry one of `prefixes`.
+fn load_prefixed(path: &Path, prefixes: Prefixes<'_>) -> Result<AdapterSet, LoraError> {
     let file = File::open(path).map_err(io_error(path))?;
     // SAFETY: the mapping is read-only and dropped before returning; the file must not be
     // truncated meanwhile, as with any memory-mapped read.
@@ -564,7 +636,7 @@ pub fn load(path: &Path) -> Result<AdapterSet, LoraError> {
     let mut groups: BTreeMap<ModuleKey, BTreeMap<Role, (String, TensorView<'_>)>> = BTreeMap::new();
     let mut unrecognized = Vec::new();
     for (key, view) in tensors.iter() {
-        match Role::split_key(key).and_then(|(m, role)| classify(m).map(|k| (k, role))) {
+        match Role::split_key(key).and_then(|(m, role)| prefixes.classify(m).map(|k| (k, role))) {
             Some((module, role)) => {
                 groups
                     .entry(module)
@@ -777,7 +849,9 @@ pub fn convert(input: &Path, output: &Path, to: Format) -> Result<ConvertReport,
 /// [`checkpoint`](Self::checkpoint) gives the checkpoint's module paths (BFL, SGM, Wan),
 /// written by kohya files (`lora_unet_` + path with `_`) and ai-toolkit files
 /// (`diffusion_model.` + path); [`diffusers`](Self::diffusers) gives diffusers' module paths,
-/// written by PEFT files under [`diffusers_prefix`](Self::diffusers_prefix).
+/// written by PEFT files under [`diffusers_prefix`](Self::diffusers_prefix). The layers of
+/// further trained [`components`](Self::components) (SDXL's text encoders) go to the same file
+/// under their own prefixes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LayoutNames {
     /// Model paths → the checkpoint's module paths.
@@ -790,10 +864,45 @@ pub struct LayoutNames {
     /// whole: [`PeftAlpha::Tensors`] where they read `.alpha`, [`PeftAlpha::Baked`] where a
     /// loader refuses keys other than `lora_A` / `lora_B` (diffusers' FLUX.2 loaders).
     pub peft_alpha: PeftAlpha,
+    /// The model's other trained components, whose model paths start with their own
+    /// [`ComponentNames::module_prefix`].
+    pub components: Vec<ComponentNames>,
+}
+
+/// The names of a further trained part of a model (SDXL's text encoders), which kohya and PEFT
+/// files keep under their own key prefixes (`lora_te1_`, `text_encoder.`); ai-toolkit files
+/// have none.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ComponentNames {
+    /// The start of the model paths of the component's layers (`text_encoder.`).
+    pub module_prefix: String,
+    /// The component's kohya key prefix (`lora_te1`).
+    pub kohya_prefix: String,
+    /// The component's PEFT key prefix and `lora_adapter_metadata` prefix (`text_encoder`).
+    pub peft_prefix: String,
+    /// Paths within the component (after `module_prefix`) → the module paths both layouts
+    /// write (`text_model.encoder.layers.0.self_attn.q_proj`).
+    pub names: NameMap,
+    /// A leading part of those module paths (`text_model.`) that the PEFT config's module
+    /// names (`target_modules`, `alpha_pattern`) leave out: PEFT matches a module by the end
+    /// of its name, and the shorter name matches models with and without that level
+    /// (transformers' CLIP has it up to version 4 only).
+    pub peft_config_root: String,
+}
+
+impl ComponentNames {
+    /// The key prefix of the component in `format`; `None` where the format has none.
+    fn prefix(&self, format: Format) -> Option<&str> {
+        match format {
+            Format::Kohya => Some(&self.kohya_prefix),
+            Format::Peft => Some(&self.peft_prefix),
+            Format::AiToolkit => None,
+        }
+    }
 }
 
 impl LayoutNames {
-    /// The map a format names modules with.
+    /// The map a format names the main component's modules with.
     pub fn map(&self, format: Format) -> &NameMap {
         if format.checkpoint_names() {
             &self.checkpoint
@@ -802,17 +911,43 @@ impl LayoutNames {
         }
     }
 
+    /// The component a model path belongs to, and the path within it; `None` for the main
+    /// component's.
+    fn component_of<'a>(&self, path: &'a str) -> Option<(&ComponentNames, &'a str)> {
+        self.components
+            .iter()
+            .find_map(|c| path.strip_prefix(&c.module_prefix).map(|rest| (c, rest)))
+    }
+
+    /// Checks, before any training, that every layer `report` adapted can be written in
+    /// `format`: each has a name, a layer split across target layers carries LoRA (a LoKr
+    /// update cannot be split exactly), and a component's layer needs a format that has the
+    /// component's prefix.
+    pub fn check(&self, format: Format, report: &ApplyReport) -> Result<(), LoraError> {
+        report
+            .wrapped
+            .iter()
+            .try_for_each(|layer| match self.component_of(&layer.path) {
+                None => self.map(format).check_layer(&layer.path, layer.kind),
+                Some((component, _)) if component.prefix(format).is_none() => {
+                    Err(LoraError::Unnamed {
+                        module: layer.path.clone(),
+                    })
+                }
+                Some((component, path)) => component.names.check_layer(path, layer.kind),
+            })
+    }
+
     /// Writes `set` (keyed by the model's module paths) in `options.format` with the layout's
     /// names (see [`save`]) and, in PEFT and ai-toolkit files, its
-    /// [`peft_alpha`](Self::peft_alpha); a module without a name in the layout is an error
-    /// naming it, and nothing is written.
+    /// [`peft_alpha`](Self::peft_alpha); each component's adapters go under its prefix. A
+    /// module without a name in the layout is an error naming it, and nothing is written.
     pub fn save(
         &self,
         set: &AdapterSet,
         path: &Path,
         options: &SaveOptions,
     ) -> Result<(), LoraError> {
-        let named = self.map(options.format).to_target(set)?;
         let mut options = options.clone();
         if options.format == Format::Peft && options.prefix.is_none() {
             options.prefix = Some(self.diffusers_prefix.clone());
@@ -820,15 +955,67 @@ impl LayoutNames {
         if options.format != Format::Kohya {
             options.peft_alpha = self.peft_alpha;
         }
-        save(&named, path, &options)
+        let mut main = set.clone();
+        let mut adapters = main.take_adapters();
+        let mut parts = Vec::new();
+        for component in &self.components {
+            let mut part = AdapterSet::new(LoraMetadata::default());
+            let inside: Vec<String> = adapters
+                .keys()
+                .filter(|n| n.starts_with(&component.module_prefix))
+                .cloned()
+                .collect();
+            for name in inside {
+                let adapter = adapters.remove(&name).expect("listed above");
+                part.insert(&name[component.module_prefix.len()..], adapter);
+            }
+            if part.is_empty() {
+                continue;
+            }
+            let Some(prefix) = component.prefix(options.format) else {
+                let first = part.iter().next().map(|(n, _)| n).unwrap_or_default();
+                return Err(LoraError::Unnamed {
+                    module: format!("{}{first}", component.module_prefix),
+                });
+            };
+            let part_options = SaveOptions {
+                prefix: Some(prefix.to_string()),
+                ..options.clone()
+            };
+            parts.push((
+                component.names.to_target(&part)?,
+                part_options,
+                component.peft_config_root.as_str(),
+            ));
+        }
+        main.replace_adapters(adapters);
+        let main = self.map(options.format).to_target(&main)?;
+        let mut all = vec![(&main, &options, "")];
+        all.extend(
+            parts
+                .iter()
+                .map(|(set, options, root)| (set, options, *root)),
+        );
+        save_parts(&all, path)
     }
 
     /// Reads a file of any layout this model's names describe (kohya, PEFT / diffusers,
     /// ai-toolkit, OneTrainer's `lora_transformer_`) into a set keyed by the model's module
-    /// paths. Split adapters join into the model's fused layers exactly; adapters of layers the
-    /// model does not have are an error listing them.
+    /// paths, its components' adapters included. Split adapters join into the model's fused
+    /// layers exactly; adapters of layers the model does not have are an error listing them.
     pub fn load(&self, path: &Path) -> Result<AdapterSet, LoraError> {
-        let mut set = load(path)?;
+        let others: Vec<&str> = self
+            .components
+            .iter()
+            .map(|c| c.peft_prefix.as_str())
+            .collect();
+        let mut set = load_prefixed(
+            path,
+            Prefixes {
+                others: &others,
+                ..Prefixes::MODEL
+            },
+        )?;
         // Each map's names as this file spells them (kohya files flatten dots to `_`).
         let spelled = |map: &NameMap| -> BTreeSet<String> {
             let names = map.target_names().into_iter();
@@ -855,7 +1042,33 @@ impl LayoutNames {
             return Err(LoraError::UnknownModules { modules: unknown });
         }
         set.resolve_names(map.target_names())?;
-        map.from_target(&set)
+        let mut set = map.from_target(&set)?;
+        for component in &self.components {
+            let prefixes = Prefixes {
+                kohya: &[&component.kohya_prefix],
+                peft: &[&component.peft_prefix],
+                bare: false,
+                others: &[],
+            };
+            let mut part = load_prefixed(path, prefixes)?;
+            if part.is_empty() {
+                continue;
+            }
+            part.resolve_names(component.names.target_names())?;
+            let part = component.names.from_target(&part)?;
+            set.unrecognized.retain(|key| {
+                prefixes
+                    .classify(Role::split_key(key).map_or("", |(m, _)| m))
+                    .is_none()
+            });
+            for (name, adapter) in part.iter() {
+                set.insert(
+                    format!("{}{name}", component.module_prefix),
+                    adapter.clone(),
+                );
+            }
+        }
+        Ok(set)
     }
 
     /// Rewrites a file of any layout [`load`](Self::load) reads in format `to`, keeping every
@@ -883,7 +1096,7 @@ mod tests {
     #[test]
     fn classify_module_keys() {
         assert_eq!(
-            classify("lora_unet_double_blocks_0_img_attn_qkv"),
+            Prefixes::MODEL.classify("lora_unet_double_blocks_0_img_attn_qkv"),
             Some(ModuleKey {
                 kohya: true,
                 prefix: "lora_unet".into(),
@@ -891,15 +1104,19 @@ mod tests {
             })
         );
         assert_eq!(
-            classify("lora_te1_text_model_encoder_layers_0_mlp_fc1"),
+            Prefixes::MODEL.classify("lora_te1_text_model_encoder_layers_0_mlp_fc1"),
             None
         );
         assert_eq!(
-            classify("base_model.model.blocks.0.proj").map(|k| (k.prefix, k.name)),
+            Prefixes::MODEL
+                .classify("base_model.model.blocks.0.proj")
+                .map(|k| (k.prefix, k.name)),
             Some(("base_model.model".into(), "blocks.0.proj".into()))
         );
         assert_eq!(
-            classify("blocks.0.proj").map(|k| (k.prefix, k.name)),
+            Prefixes::MODEL
+                .classify("blocks.0.proj")
+                .map(|k| (k.prefix, k.name)),
             Some((String::new(), "blocks.0.proj".into()))
         );
     }
@@ -927,5 +1144,122 @@ mod tests {
         assert_eq!(most_common([4, 8, 8, 4, 2]), Some(4));
         assert_eq!(most_common([16, 16, 4]), Some(16));
         assert_eq!(most_common(Vec::<usize>::new()), None);
+    }
+
+    /// A model of one layer `unet_layer` beside a component `te.` with one layer `fc`, as the
+    /// files name them: `lora_unet_` / `unet.` and `lora_te1_` / `text_encoder.`.
+    fn with_component() -> LayoutNames {
+        let main = NameMap::new().rename("unet_layer", "down.0.proj");
+        LayoutNames {
+            checkpoint: main.clone(),
+            diffusers: main,
+            diffusers_prefix: "unet".into(),
+            peft_alpha: PeftAlpha::Metadata,
+            components: vec![ComponentNames {
+                module_prefix: "te.".into(),
+                kohya_prefix: "lora_te1".into(),
+                peft_prefix: "text_encoder".into(),
+                names: NameMap::new().rename("fc", "text_model.fc"),
+                peft_config_root: "text_model.".into(),
+            }],
+        }
+    }
+
+    fn lora(rank: usize, alpha: f32, seed: f32) -> StoredAdapter {
+        let values = |n: usize| (0..n).map(|i| seed + i as f32).collect::<Vec<f32>>();
+        StoredAdapter::Lora {
+            down: TensorData::new(values(rank * 3), [rank, 3]),
+            up: TensorData::new(values(2 * rank), [2, rank]),
+            alpha,
+        }
+    }
+
+    fn keys_and_config(path: &Path) -> (Vec<String>, Option<Value>) {
+        let bytes = std::fs::read(path).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        let mut keys: Vec<String> = header.tensors().keys().cloned().collect();
+        keys.sort();
+        let config = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(META_PEFT_CONFIG))
+            .map(|raw| serde_json::from_str(raw).unwrap());
+        (keys, config)
+    }
+
+    #[test]
+    fn a_component_goes_under_its_own_prefix_and_comes_back() {
+        let names = with_component();
+        let mut set = AdapterSet::new(LoraMetadata::default());
+        set.insert("unet_layer", lora(2, 4.0, 1.0));
+        set.insert("te.fc", lora(2, 1.0, 7.0));
+        let dir = tempfile::tempdir().unwrap();
+
+        let kohya = dir.path().join("kohya.safetensors");
+        names.save(&set, &kohya, &SaveOptions::kohya()).unwrap();
+        let (keys, _) = keys_and_config(&kohya);
+        assert_eq!(
+            keys,
+            [
+                "lora_te1_text_model_fc.alpha",
+                "lora_te1_text_model_fc.lora_down.weight",
+                "lora_te1_text_model_fc.lora_up.weight",
+                "lora_unet_down_0_proj.alpha",
+                "lora_unet_down_0_proj.lora_down.weight",
+                "lora_unet_down_0_proj.lora_up.weight",
+            ]
+        );
+
+        let peft = dir.path().join("peft.safetensors");
+        names.save(&set, &peft, &SaveOptions::peft()).unwrap();
+        let (keys, config) = keys_and_config(&peft);
+        assert_eq!(
+            keys,
+            [
+                "text_encoder.text_model.fc.lora_A.weight",
+                "text_encoder.text_model.fc.lora_B.weight",
+                "unet.down.0.proj.lora_A.weight",
+                "unet.down.0.proj.lora_B.weight",
+            ]
+        );
+        let config = config.unwrap();
+        assert_eq!(config["unet.lora_alpha"], json!(4.0));
+        assert_eq!(config["text_encoder.lora_alpha"], json!(1.0));
+        assert_eq!(config["text_encoder.target_modules"], json!(["fc"]));
+
+        for file in [&kohya, &peft] {
+            let back = names.load(file).unwrap();
+            assert_eq!(
+                back.iter().collect::<Vec<_>>(),
+                set.iter().collect::<Vec<_>>()
+            );
+            assert!(back.unrecognized_keys().is_empty(), "{file:?}");
+        }
+
+        let error = names
+            .save(
+                &set,
+                &dir.path().join("a.safetensors"),
+                &SaveOptions::for_format(Format::AiToolkit),
+            )
+            .unwrap_err();
+        assert!(matches!(error, LoraError::Unnamed { module } if module == "te.fc"));
+    }
+
+    #[test]
+    fn a_file_of_the_component_alone_loads() {
+        let names = with_component();
+        let mut set = AdapterSet::new(LoraMetadata::default());
+        set.insert("te.fc", lora(1, 1.0, 2.0));
+        let dir = tempfile::tempdir().unwrap();
+        for options in [SaveOptions::kohya(), SaveOptions::peft()] {
+            let file = dir.path().join("te.safetensors");
+            names.save(&set, &file, &options).unwrap();
+            let back = names.load(&file).unwrap();
+            assert_eq!(
+                back.iter().collect::<Vec<_>>(),
+                set.iter().collect::<Vec<_>>()
+            );
+        }
     }
 }

@@ -6,7 +6,6 @@ use std::ops::Range;
 
 use crate::LoraError;
 use crate::adapter::AdapterKind;
-use crate::plan::ApplyReport;
 use crate::set::{AdapterSet, Matrix, StoredAdapter};
 
 /// Output rows `rows` of the target layer `target` (which has `len` output rows in all) are the
@@ -82,6 +81,17 @@ impl NameMap {
         self
     }
 
+    /// The same names for a model that holds this map's model at `prefix` (`unet.`): every
+    /// model path starts with `prefix`.
+    pub fn nested(self, prefix: &str) -> Self {
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|(module, target)| (format!("{prefix}{module}"), target))
+            .collect();
+        Self { layers }
+    }
+
     /// Every target layer name, each once.
     pub fn target_names(&self) -> BTreeSet<&str> {
         self.layers
@@ -93,29 +103,22 @@ impl NameMap {
             .collect()
     }
 
-    /// Checks, before any training, that every layer `report` adapted can be written under
-    /// this map's names: each has a name, and layers split across target layers carry LoRA
-    /// (a LoKr update cannot be split exactly).
-    pub fn check(&self, report: &ApplyReport) -> Result<(), LoraError> {
-        for layer in &report.wrapped {
-            match self.layers.get(&layer.path) {
-                None => {
-                    return Err(LoraError::Unnamed {
-                        module: layer.path.clone(),
-                    });
-                }
-                Some(Target::Rows(_)) if layer.kind == AdapterKind::Lokr => {
-                    return Err(mapping(
-                        &layer.path,
-                        "this layout splits the layer across several layers, which a LoKr \
-                         update cannot be; choose LoRA or another file format"
-                            .into(),
-                    ));
-                }
-                Some(_) => {}
-            }
+    /// Checks, before any training, that the layer at `path` in the map's model, adapted by
+    /// `kind`, can be written under this map's names: it has a name, and a layer split across
+    /// target layers carries LoRA (a LoKr update cannot be split exactly).
+    pub(crate) fn check_layer(&self, path: &str, kind: AdapterKind) -> Result<(), LoraError> {
+        match self.layers.get(path) {
+            None => Err(LoraError::Unnamed {
+                module: path.to_string(),
+            }),
+            Some(Target::Rows(_)) if kind == AdapterKind::Lokr => Err(mapping(
+                path,
+                "this layout splits the layer across several layers, which a LoKr update \
+                 cannot be; choose LoRA or another file format"
+                    .into(),
+            )),
+            Some(_) => Ok(()),
         }
-        Ok(())
     }
 
     /// Model names → target names. Fails naming the first module the map does not know.

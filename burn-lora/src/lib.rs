@@ -101,7 +101,9 @@
 //! tensors: renames, and splits of fused layers such as BFL's `img_attn.qkv` into diffusers'
 //! `attn.to_q`, `to_k`, `to_v`. [`LayoutNames::save`] writes a model's adapters under the
 //! format's names (a module without one is an error, never an unloadable key) and
-//! [`LayoutNames::load`] reads any layout back into the model's paths.
+//! [`LayoutNames::load`] reads any layout back into the model's paths. A model that trains more
+//! than its denoiser (SDXL's text encoders) names those parts as [`ComponentNames`], which the
+//! same file keeps under their own prefixes (`lora_te1_`, `text_encoder.`).
 //!
 //! ```
 //! use burn_lora::{NameMap, RowSlice};
@@ -140,7 +142,9 @@ mod set;
 pub use adapter::{Adapter, AdapterKind, Geometry, LokrWeights, LoraWeights};
 pub use config::{AdapterConfig, LokrConfig, LoraConfig, factorize};
 pub use error::LoraError;
-pub use format::{ConvertReport, Format, LayoutNames, PeftAlpha, SaveOptions, convert, load, save};
+pub use format::{
+    ComponentNames, ConvertReport, Format, LayoutNames, PeftAlpha, SaveOptions, convert, load, save,
+};
 pub use keymap::{NameMap, RowSlice};
 pub use layer::{Adapted, BaseLayer, LoraConv2d, LoraLinear};
 pub use model::{

@@ -11,6 +11,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, sigmoid};
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, backend::Backend};
+use burn_lora::LoraLinear;
 use burn_quant::Checkpoint;
 
 use super::keys::{SgmTextEncoder, canonical};
@@ -266,7 +267,7 @@ pub struct ClipEncoderLayer<B: Backend> {
 impl<B: Kernels> ClipEncoderLayer<B> {
     fn new(config: &ClipTextConfig, device: &B::Device) -> Self {
         let (d, ff) = (config.hidden_size, config.intermediate_size);
-        let linear = |i, o| LinearConfig::new(i, o).init(device);
+        let linear = |i, o| LinearConfig::new(i, o).init(device).into();
         Self {
             self_attn: ClipAttention {
                 q_proj: linear(d, d),
@@ -301,13 +302,13 @@ impl<B: Kernels> ClipEncoderLayer<B> {
 #[derive(Module, Debug)]
 pub struct ClipAttention<B: Backend> {
     /// Query projection.
-    pub q_proj: Linear<B>,
+    pub q_proj: LoraLinear<B>,
     /// Key projection.
-    pub k_proj: Linear<B>,
+    pub k_proj: LoraLinear<B>,
     /// Value projection.
-    pub v_proj: Linear<B>,
+    pub v_proj: LoraLinear<B>,
     /// Output projection.
-    pub out_proj: Linear<B>,
+    pub out_proj: LoraLinear<B>,
 }
 
 impl<B: Kernels> ClipAttention<B> {
@@ -315,7 +316,7 @@ impl<B: Kernels> ClipAttention<B> {
     /// - `x`: `[batch, tokens, hidden]`; output: same
     pub fn forward(&self, x: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
         let [b, l, d] = x.dims();
-        let split = |linear: &Linear<B>| {
+        let split = |linear: &LoraLinear<B>| {
             linear
                 .forward(x.clone())
                 .reshape([b, l, heads, d / heads])
@@ -338,9 +339,9 @@ impl<B: Kernels> ClipAttention<B> {
 #[derive(Module, Debug)]
 pub struct ClipMlp<B: Backend> {
     /// Up projection.
-    pub fc1: Linear<B>,
+    pub fc1: LoraLinear<B>,
     /// Down projection.
-    pub fc2: Linear<B>,
+    pub fc2: LoraLinear<B>,
 }
 
 impl<B: Kernels> ClipMlp<B> {

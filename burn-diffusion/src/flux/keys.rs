@@ -251,6 +251,7 @@ pub(crate) fn layout_names(keys: Vec<LinearKeys>, peft_alpha: PeftAlpha) -> Layo
         diffusers,
         diffusers_prefix: "transformer".into(),
         peft_alpha,
+        components: Vec::new(),
     }
 }
 

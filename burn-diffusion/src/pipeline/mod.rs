@@ -15,5 +15,5 @@ pub use flux_text::{encode_clip_pooled, encode_t5};
 pub use flux2_inputs::{flux2_image_ids, flux2_text_ids, pack_flux2_latents, unpack_flux2_latents};
 pub use flux2_text::{FLUX2_DEV_LAYERS, FLUX2_KLEIN_LAYERS, encode_flux2_text};
 pub use images::{BucketFit, fit_image, load_image};
-pub use sdxl_text::encode_sdxl_prompt;
+pub use sdxl_text::{encode_sdxl_prompt, sdxl_conditioning};
 pub use wan_text::encode_wan_prompt;

@@ -9,7 +9,7 @@
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/pipelines/stable_diffusion_xl/pipeline_stable_diffusion_xl.py (encode_prompt)
 
 use burn::module::Module;
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use burn_kernels::Kernels;
 
 use crate::clip::ClipTextModel;
@@ -51,16 +51,13 @@ pub fn encode_sdxl_prompt<B: Kernels>(
     let (device, device_2) = (&devices[0], &devices_2[0]);
     let mut out = Vec::with_capacity(captions.len());
     for batch in captions.chunks(batch_size.max(1)) {
-        let first = encoder.forward(tokenizer.encode_tensor::<B>(batch, device)?);
-        let second = encoder_2.forward(tokenizer_2.encode_tensor::<B>(batch, device_2)?);
-        let states_2 = penultimate(second.hidden_states);
-        let states = penultimate(first.hidden_states)
-            .to_device(device_2)
-            .cast(states_2.dtype());
-        let states = Tensor::cat(vec![states, states_2], 2);
-        let pooled = second
-            .text_embeds
-            .expect("an encoder with a projection gives text_embeds");
+        let (states, pooled) = sdxl_conditioning(
+            encoders,
+            (
+                tokenizer.encode_tensor::<B>(batch, device)?,
+                tokenizer_2.encode_tensor::<B>(batch, device_2)?,
+            ),
+        );
         out.extend(
             states
                 .iter_dim(0)
@@ -74,6 +71,31 @@ pub fn encode_sdxl_prompt<B: Kernels>(
         );
     }
     Ok(out)
+}
+
+/// SDXL's text conditioning of a batch of token rows, `ids` of the first tokenizer for the
+/// first encoder and of the second for the second: `(states, pooled)` as
+/// [`encode_sdxl_prompt`] gives them, `[batch, tokens, hidden + hidden_2]` and `[batch,
+/// projection_dim]`, on the second encoder's device, in its dtype. This is the computation a
+/// step runs when the text encoders train.
+///
+/// # Panics
+/// If the second encoder has no text projection.
+pub fn sdxl_conditioning<B: Kernels>(
+    encoders: (&ClipTextModel<B>, &ClipTextModel<B>),
+    ids: (Tensor<B, 2, Int>, Tensor<B, 2, Int>),
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (encoder, encoder_2) = encoders;
+    let second = encoder_2.forward(ids.1);
+    let states_2 = penultimate(second.hidden_states);
+    let device_2 = states_2.device();
+    let states = penultimate(encoder.forward(ids.0).hidden_states)
+        .to_device(&device_2)
+        .cast(states_2.dtype());
+    let pooled = second
+        .text_embeds
+        .expect("SDXL's text_encoder_2 is a CLIPTextModelWithProjection, with text_embeds");
+    (Tensor::cat(vec![states, states_2], 2), pooled)
 }
 
 /// `hidden_states[-2]`: the output of the next-to-last layer, without the final layer norm.

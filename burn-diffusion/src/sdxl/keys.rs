@@ -18,7 +18,7 @@
 
 // ref: huggingface/diffusers@v0.42.1 src/diffusers/loaders/single_file_utils.py (convert_ldm_unet_checkpoint)
 
-use burn_lora::{LayoutNames, NameMap, PeftAlpha};
+use burn_lora::{ComponentNames, LayoutNames, NameMap, PeftAlpha};
 
 /// The prefix of the UNet's keys in SGM single files.
 pub const SGM_UNET_PREFIX: &str = "model.diffusion_model.";
@@ -286,7 +286,7 @@ impl Table {
 ///   load_lora_weights` expects, with alpha in the `lora_adapter_metadata` entry: diffusers'
 ///   SDXL loader reads `.alpha` tensors from kohya files only.
 ///
-/// Text-encoder adapters (`lora_te1_`, `lora_te2_`) are not named here.
+/// Text-encoder adapters (`lora_te1_`, `lora_te2_`) are [`text_encoder_names`]'.
 pub fn lora_names(layout: &UNetLayout) -> LayoutNames {
     let (checkpoint, diffusers) = unet_modules(layout)
         .into_iter()
@@ -305,7 +305,57 @@ pub fn lora_names(layout: &UNetLayout) -> LayoutNames {
         diffusers,
         diffusers_prefix: "unet".into(),
         peft_alpha: PeftAlpha::Metadata,
+        components: Vec::new(),
     }
+}
+
+/// The model paths under which [`text_encoder_names`] expects SDXL's text encoders, CLIP-L's and
+/// bigG's: diffusers' pipeline components.
+pub const TEXT_ENCODERS: [&str; 2] = ["text_encoder", "text_encoder_2"];
+
+/// The names of the layers of SDXL's text encoders an adapter can wrap (each layer's attention
+/// projections and MLP Linears, the targets of kohya's sd-scripts), as components of a model
+/// that keeps CLIP-L and bigG at the paths [`TEXT_ENCODERS`], with `layers` (CLIP-L's count,
+/// bigG's):
+///
+/// - kohya files: `lora_te1_` / `lora_te2_` + `text_model_encoder_layers_0_self_attn_q_proj`, as
+///   kohya's sd-scripts write them;
+/// - PEFT files: `text_encoder.` / `text_encoder_2.` + `text_model.encoder.layers.0.self_attn.
+///   q_proj`, as diffusers' `save_lora_weights` writes them, alphas in `lora_adapter_metadata`
+///   under the same prefixes (its module names without `text_model.`, which transformers' CLIP
+///   lost in version 5 and PEFT matches either way).
+///
+/// ComfyUI's and diffusers' loaders read both (burn-lora-train's `tool_fixtures_sdxl.rs`).
+pub fn text_encoder_names(layers: (usize, usize)) -> Vec<ComponentNames> {
+    let component = |path: &str, kohya: &str, layers: usize| {
+        let names = (0..layers)
+            .flat_map(|i| {
+                [
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.out_proj",
+                    "mlp.fc1",
+                    "mlp.fc2",
+                ]
+                .map(|layer| format!("encoder.layers.{i}.{layer}"))
+            })
+            .fold(NameMap::new(), |map, module| {
+                let target = format!("text_model.{module}");
+                map.rename(module, target)
+            });
+        ComponentNames {
+            module_prefix: format!("{path}."),
+            kohya_prefix: kohya.into(),
+            peft_prefix: path.into(),
+            names,
+            peft_config_root: "text_model.".into(),
+        }
+    };
+    vec![
+        component(TEXT_ENCODERS[0], "lora_te1", layers.0),
+        component(TEXT_ENCODERS[1], "lora_te2", layers.1),
+    ]
 }
 
 #[cfg(test)]

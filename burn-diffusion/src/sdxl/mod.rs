@@ -37,7 +37,10 @@ mod model;
 mod run;
 
 pub use config::UNetConfig;
-pub use keys::{ModuleKind, SGM_UNET_PREFIX, UNetLayout, UNetModule, lora_names, unet_modules};
+pub use keys::{
+    ModuleKind, SGM_UNET_PREFIX, TEXT_ENCODERS, UNetLayout, UNetModule, lora_names,
+    text_encoder_names, unet_modules,
+};
 pub use load::{UNetCheckpoint, holds_sgm_unet};
 pub use model::{
     Attention, BasicTransformerBlock, CrossAttnDownBlock2D, CrossAttnUpBlock2D, Downsample2D,

@@ -185,6 +185,7 @@ pub fn lora_names(config: &WanConfig) -> LayoutNames {
         diffusers,
         diffusers_prefix: "transformer".into(),
         peft_alpha: PeftAlpha::Metadata,
+        components: Vec::new(),
     }
 }
 

@@ -144,6 +144,12 @@ impl Arch {
         }
     }
 
+    /// Whether `train.train_text_encoder` can train the text encoders beside the denoiser
+    /// (SDXL's, as kohya's sd-scripts do).
+    pub fn trains_text_encoders(self) -> bool {
+        self == Arch::Sdxl
+    }
+
     /// Whether the denoiser's single file holds every component (SDXL's all-in-one
     /// checkpoint), so that `model.path` alone names them all.
     pub fn single_file_holds_all(self) -> bool {

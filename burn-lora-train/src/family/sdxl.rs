@@ -1,7 +1,8 @@
 //! Stable Diffusion XL: the UNet trained by DDPM (ε- or v-prediction, min-SNR-γ, noise
 //! offset) on the 4-channel VAE's scaled latents, conditioned on both CLIPs' penultimate states,
 //! OpenCLIP bigG's pooled projection and each image's micro-conditioning (original size, crop,
-//! target size).
+//! target size). With `train.train_text_encoder` both CLIPs train too: the cache then keeps
+//! each caption's token ids, and every step encodes them through the adapted encoders.
 //!
 //! Sources: `tiny` builds small random models seeded from the run's seed (on the CPU, then
 //! copied to the device); `random:sdxl` the full-size shape with random weights; files are a
@@ -13,13 +14,16 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{BasicOps, DType, Float, FloatDType, Int, Tensor, TensorData, TensorKind};
 use burn_diffusion::LoadError;
 use burn_diffusion::clip::{ClipActivation, ClipTextConfig, ClipTextModel, SgmTextEncoder};
-use burn_diffusion::pipeline::{BucketFit, encode_sdxl_prompt};
-use burn_diffusion::sdxl::{UNet2DCondition, UNetCheckpoint, UNetConfig, UNetInput};
+use burn_diffusion::pipeline::{BucketFit, encode_sdxl_prompt, sdxl_conditioning};
+use burn_diffusion::sdxl::{
+    UNet2DCondition, UNetCheckpoint, UNetConfig, UNetInput, text_encoder_names,
+};
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::VaeConfig;
 use burn_diffusion::{BlockTape, materialize};
@@ -53,6 +57,10 @@ const TIME_IDS: &str = "time_ids";
 const STATES: &str = "states";
 /// And bigG's pooled projection, `[1280]`.
 const POOLED: &str = "pooled";
+/// A caption's token ids for CLIP-L, `[77]` (i64), when the text encoders train.
+const TOKENS: &str = "tokens";
+/// And for bigG.
+const TOKENS_2: &str = "tokens_2";
 
 /// The components, as `model.<component>` and diffusers folders name them.
 pub(super) const COMPONENTS: &[&str] = &["unet", "vae", "text_encoder", "text_encoder_2"];
@@ -65,27 +73,55 @@ pub(super) const TOKENIZERS: &[&str] = &["tokenizer", "tokenizer_2"];
 const TINY_CLIP_L: usize = 32;
 /// Width of the tiny bigG's states and of its projection.
 const TINY_BIG_G: usize = 48;
+/// Layers of each tiny CLIP.
+const TINY_CLIP_LAYERS: usize = 3;
 
 /// CLIP-L and OpenCLIP bigG (with its projection).
 type TextEncoders<B> = (ClipTextModel<B>, ClipTextModel<B>);
+
+/// What SDXL trains: the UNet and, with `train.train_text_encoder`, both text encoders, at
+/// the paths diffusers' pipeline gives its components
+/// ([`burn_diffusion::sdxl::TEXT_ENCODERS`]).
+#[derive(Module, Debug)]
+pub struct SdxlModel<B: Backend> {
+    /// The UNet.
+    pub unet: UNet2DCondition<B>,
+    /// CLIP-L, when it trains.
+    pub text_encoder: Option<ClipTextModel<B>>,
+    /// OpenCLIP bigG, when it trains.
+    pub text_encoder_2: Option<ClipTextModel<B>>,
+}
 
 /// The SDXL family, for one model source.
 #[derive(Clone, Debug)]
 pub struct Sdxl {
     config: UNetConfig,
+    /// The layer counts of CLIP-L and bigG.
+    text_encoder_layers: (usize, usize),
+    train_text_encoder: bool,
     schedule: DdpmSchedule,
 }
 
 impl Sdxl {
-    /// The family of `source`'s UNet, its configuration read without loading weights.
+    /// The family of `source`'s UNet, its configuration read without loading weights, with
+    /// frozen text encoders.
     pub fn of(source: &ModelSource) -> Result<Self, TrainError> {
         let config = match source {
             ModelSource::Tiny => tiny_unet(),
             ModelSource::Random(_) => UNetConfig::sdxl(),
             ModelSource::Files(files) => UNetCheckpoint::open(files.get("unet"))?.config().clone(),
         };
+        let text_encoder_layers = match source {
+            ModelSource::Tiny => (TINY_CLIP_LAYERS, TINY_CLIP_LAYERS),
+            _ => (
+                ClipTextConfig::clip_l().num_hidden_layers,
+                ClipTextConfig::open_clip_big_g().num_hidden_layers,
+            ),
+        };
         Ok(Self {
             config,
+            text_encoder_layers,
+            train_text_encoder: false,
             schedule: DdpmSchedule::sdxl(),
         })
     }
@@ -103,7 +139,7 @@ impl Sdxl {
                     vocab_size: 4096,
                     hidden_size: TINY_CLIP_L,
                     intermediate_size: 2 * TINY_CLIP_L,
-                    num_hidden_layers: 3,
+                    num_hidden_layers: TINY_CLIP_LAYERS,
                     num_attention_heads: 2,
                     max_position_embeddings: CLIP_TOKENS,
                     hidden_act: ClipActivation::QuickGelu,
@@ -178,14 +214,34 @@ fn text_encoder<B: Kernels>(
 }
 
 impl Family for Sdxl {
-    type Model<B: Backend> = UNet2DCondition<B>;
+    type Model<B: Backend> = SdxlModel<B>;
 
     fn new(plan: &TrainPlan) -> Result<Self, TrainError> {
-        Self::of(&plan.model.source)
+        Ok(Self {
+            train_text_encoder: plan.train.train_text_encoder,
+            ..Self::of(&plan.model.source)?
+        })
     }
 
+    /// The UNet's names (under `unet.`) and both text encoders'.
     fn lora_names(&self) -> LayoutNames {
-        burn_diffusion::sdxl::lora_names(&self.config.layout())
+        let unet = burn_diffusion::sdxl::lora_names(&self.config.layout());
+        LayoutNames {
+            checkpoint: unet.checkpoint.nested("unet."),
+            diffusers: unet.diffusers.nested("unet."),
+            components: text_encoder_names(self.text_encoder_layers),
+            ..unet
+        }
+    }
+
+    /// The tokenizer folder, and whether captions are cached as token ids.
+    fn cache_key(&self, plan: &TrainPlan) -> String {
+        let ids = if self.train_text_encoder {
+            "captions as token ids\n"
+        } else {
+            ""
+        };
+        format!("tokenizers {}\n{ids}", plan.model.tokenizers.display())
     }
 
     fn base_model_name(&self, plan: &TrainPlan) -> String {
@@ -195,7 +251,11 @@ impl Family for Sdxl {
     fn schema(&self) -> Schema {
         Schema {
             image: &[LATENT, TIME_IDS],
-            caption: &[STATES, POOLED],
+            caption: if self.train_text_encoder {
+                &[TOKENS, TOKENS_2]
+            } else {
+                &[STATES, POOLED]
+            },
         }
     }
 
@@ -226,6 +286,26 @@ impl Family for Sdxl {
             CaptionTokenizer::clip(&folder.join("tokenizer"), CLIP_TOKENS)?,
             CaptionTokenizer::clip(&folder.join("tokenizer_2"), CLIP_TOKENS)?,
         );
+        if self.train_text_encoder {
+            let ids = |tokenizer: &CaptionTokenizer| -> Result<Vec<TensorData>, TrainError> {
+                Ok(tokenizer
+                    .encode(texts)?
+                    .into_iter()
+                    .map(|row| {
+                        let row: Vec<i64> = row.into_iter().map(i64::from).collect();
+                        TensorData::new(row, [CLIP_TOKENS])
+                    })
+                    .collect())
+            };
+            let (ids, ids_2) = (ids(&tokenizers.0)?, ids(&tokenizers.1)?);
+            return Ok(ids
+                .into_iter()
+                .zip(ids_2)
+                .map(|(ids, ids_2)| {
+                    Encoded::from([(TOKENS.to_string(), ids), (TOKENS_2.to_string(), ids_2)])
+                })
+                .collect());
+        }
         let (clip_l, big_g) = Self::text_encoders::<Offload<B>>(plan, device)?;
         let encoded = encode_sdxl_prompt(
             (&tokenizers.0, &tokenizers.1),
@@ -249,15 +329,21 @@ impl Family for Sdxl {
             .collect()
     }
 
-    /// With a `stream`, the `Linear` weights of files load, and those of `random:` are made,
-    /// straight in host memory.
+    /// With a `stream`, the UNet's `Linear` weights of files load, and those of `random:` are
+    /// made, straight in host memory; text encoders that train load on the device.
     fn load<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
         device: &B::Device,
         stream: Option<&WeightStream<TrainBackend<B>>>,
-    ) -> Result<UNet2DCondition<TrainBackend<B>>, TrainError> {
-        load_denoiser(
+    ) -> Result<SdxlModel<TrainBackend<B>>, TrainError> {
+        let (text_encoder, text_encoder_2) = if self.train_text_encoder {
+            let (clip_l, big_g) = Self::text_encoders::<TrainBackend<B>>(plan, device)?;
+            (Some(clip_l.no_grad()), Some(big_g.no_grad()))
+        } else {
+            (None, None)
+        };
+        let unet = load_denoiser(
             plan,
             device,
             stream,
@@ -271,22 +357,27 @@ impl Family for Sdxl {
                     None => checkpoint.load(device, dtype)?,
                 })
             },
-        )
+        )?;
+        Ok(SdxlModel {
+            unet,
+            text_encoder,
+            text_encoder_2,
+        })
     }
 
     /// DDPM: a timestep drawn for each sample (`train.timestep_type` mapped onto the 1000
     /// steps), the noise (and its offset) on the CPU, the model trained to predict ε or v; the
     /// mean squared error of each sample (in f32), weighted by min-SNR-γ when configured,
-    /// averaged over the batch.
+    /// averaged over the batch. Text encoders that train encode the captions first.
     fn loss<B: FusedOps>(
         &self,
         plan: &TrainPlan,
-        unet: &UNet2DCondition<Autodiff<B>>,
+        model: &SdxlModel<Autodiff<B>>,
         batch: &[Sample<'_>],
         rng: &mut Rng,
         device: &B::Device,
     ) -> (f64, GradientsParams) {
-        let x0 = stack::<B, 3, 4>(batch, |s| &s.image[LATENT], device).cast(DType::F32);
+        let x0 = stack::<B, 3, 4, Float>(batch, |s| &s.image[LATENT], device).cast(DType::F32);
         let [n, _, h, w] = x0.dims();
         let timesteps = sample_timesteps(
             plan.train.timestep,
@@ -305,32 +396,52 @@ impl Family for Sdxl {
         );
 
         let dtype = plan.model.dtype;
+        let (states, pooled) = match (&model.text_encoder, &model.text_encoder_2) {
+            (Some(clip_l), Some(big_g)) => {
+                let ids = |name| {
+                    Tensor::from_inner(stack::<B, 1, 2, Int>(batch, |s| &s.caption[name], device))
+                };
+                sdxl_conditioning((clip_l, big_g), (ids(TOKENS), ids(TOKENS_2)))
+            }
+            _ => (
+                Tensor::from_inner(stack::<B, 2, 3, Float>(
+                    batch,
+                    |s| &s.caption[STATES],
+                    device,
+                )),
+                Tensor::from_inner(stack::<B, 1, 2, Float>(
+                    batch,
+                    |s| &s.caption[POOLED],
+                    device,
+                )),
+            ),
+        };
         let input = UNetInput {
             sample: Tensor::from_inner(pair.x_t.cast(dtype)),
             timestep: Tensor::from_inner(pair.timesteps.clone()),
-            encoder_hidden_states: Tensor::from_inner(
-                stack::<B, 2, 3>(batch, |s| &s.caption[STATES], device).cast(dtype),
-            ),
-            text_embeds: Tensor::from_inner(
-                stack::<B, 1, 2>(batch, |s| &s.caption[POOLED], device).cast(dtype),
-            ),
-            time_ids: Tensor::from_inner(stack::<B, 1, 2>(batch, |s| &s.image[TIME_IDS], device)),
+            encoder_hidden_states: states.cast(dtype),
+            text_embeds: pooled.cast(dtype),
+            time_ids: Tensor::from_inner(stack::<B, 1, 2, Float>(
+                batch,
+                |s| &s.image[TIME_IDS],
+                device,
+            )),
         };
         let mut tape = BlockTape::new(plan.train.gradient_checkpointing);
-        let prediction = unet.forward_with(input, &mut tape);
-        mse_gradients(prediction, pair.target, Some(pair.weights), tape, unet)
+        let prediction = model.unet.forward_with(input, &mut tape);
+        mse_gradients(prediction, pair.target, Some(pair.weights), tape, model)
     }
 }
 
 /// The encodings `of` each sample, stacked on a new first axis.
-fn stack<'a, B: Backend, const D: usize, const D2: usize>(
+fn stack<'a, B: Backend, const D: usize, const D2: usize, K: TensorKind<B> + BasicOps<B>>(
     batch: &'a [Sample<'a>],
     of: impl Fn(&'a Sample<'a>) -> &'a TensorData,
     device: &B::Device,
-) -> Tensor<B, D2> {
+) -> Tensor<B, D2, K> {
     let tensors = batch
         .iter()
-        .map(|s| Tensor::<B, D>::from_data(of(s).clone(), device))
+        .map(|s| Tensor::<B, D, K>::from_data(of(s).clone(), device))
         .collect();
     Tensor::stack(tensors, 0)
 }

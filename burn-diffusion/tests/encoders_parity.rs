@@ -78,9 +78,13 @@ fn vae_diffusers_folder_matches_diffusers() {
 #[test]
 fn clip_matches_transformers_with_every_hidden_state() {
     let expected = fixture("flux_text/expected.safetensors");
-    let model =
-        ClipTextModel::<B>::load(&fixture("flux_text"), &Default::default(), FloatDType::F32)
-            .unwrap();
+    let model = ClipTextModel::<B>::load(
+        &fixture("flux_text"),
+        &Default::default(),
+        FloatDType::F32,
+        None,
+    )
+    .unwrap();
     let out = model.forward(read_ids(&expected, "clip_input_ids"));
     assert_matches(
         out.last_hidden_state.into_data(),
@@ -102,6 +106,7 @@ fn clip_with_projection_matches_transformers() {
         &fixture("clip_projection"),
         &Default::default(),
         FloatDType::F32,
+        None,
     )
     .unwrap();
     let out = model.forward(read_ids(&io, "input_ids"));
@@ -148,7 +153,7 @@ fn vae_and_text_encoders_run_in_bf16() {
     assert_within(decoded.into_data(), &io, "decoded", BF16_TOLERANCE);
 
     let expected = fixture("flux_text/expected.safetensors");
-    let clip = ClipTextModel::<B>::load(&fixture("flux_text"), &device, bf16).unwrap();
+    let clip = ClipTextModel::<B>::load(&fixture("flux_text"), &device, bf16, None).unwrap();
     let out = clip.forward(read_ids(&expected, "clip_input_ids"));
     assert_within(
         out.pooled.into_data(),
@@ -183,10 +188,15 @@ fn wrong_files_are_refused_by_name() {
         error.contains("encoder.embed_tokens.weight` is missing"),
         "{error}"
     );
-    let error = ClipTextModel::<B>::load(&fixture("images"), &Default::default(), FloatDType::F32)
-        .err()
-        .unwrap()
-        .to_string();
+    let error = ClipTextModel::<B>::load(
+        &fixture("images"),
+        &Default::default(),
+        FloatDType::F32,
+        None,
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(error.contains("fixtures/images"), "{error}");
 }
 
@@ -240,7 +250,7 @@ fn flux_prompt_encoding_matches_the_pipeline() {
     let pipeline = fixture("flux_text");
     let device = Default::default();
     let tokenizer = CaptionTokenizer::clip(&pipeline.join("tokenizer"), CLIP_LENGTH).unwrap();
-    let clip = ClipTextModel::<B>::load(&pipeline, &device, FloatDType::F32).unwrap();
+    let clip = ClipTextModel::<B>::load(&pipeline, &device, FloatDType::F32, None).unwrap();
     let pooled = encode_clip_pooled(&tokenizer, clip, &texts, 3).unwrap();
     assert_matches(concat(pooled), &expected, "pooled_prompt_embeds");
     for length in [T5_LENGTH_DEV, T5_LENGTH_SCHNELL] {

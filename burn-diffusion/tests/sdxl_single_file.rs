@@ -101,7 +101,7 @@ fn sgm_text_encoders_match_transformers() {
         (SgmTextEncoder::ClipL, "clip_l", ClipActivation::QuickGelu),
         (SgmTextEncoder::BigG, "big_g", ClipActivation::Gelu),
     ] {
-        let model = ClipTextModel::<B>::load_sgm(&file, encoder, &device, FloatDType::F32)
+        let model = ClipTextModel::<B>::load_sgm(&file, encoder, &device, FloatDType::F32, None)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let config = model.config();
         assert_eq!(
@@ -135,6 +135,7 @@ fn an_sgm_file_without_the_encoder_is_an_error_naming_it() {
         SgmTextEncoder::BigG,
         &Default::default(),
         FloatDType::F32,
+        None,
     )
     .err()
     .unwrap()

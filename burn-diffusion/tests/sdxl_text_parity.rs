@@ -34,7 +34,8 @@ fn tokenizers() -> (CaptionTokenizer, CaptionTokenizer) {
 
 fn encoders() -> (ClipTextModel<B>, ClipTextModel<B>) {
     let load = |name: &str| {
-        ClipTextModel::<B>::load(&fixture(name), &Default::default(), FloatDType::F32).unwrap()
+        ClipTextModel::<B>::load(&fixture(name), &Default::default(), FloatDType::F32, None)
+            .unwrap()
     };
     (load("sdxl_text"), load("sdxl_text/text_encoder_2"))
 }

@@ -18,7 +18,7 @@ use super::keys::{SgmTextEncoder, canonical};
 use super::{ClipActivation, ClipTextConfig};
 use crate::blocks::{ScoreBias, attention};
 use crate::error::LoadError;
-use crate::weights::{KeyShapes, NamedTensors, component_folder};
+use crate::weights::{KeyShapes, NamedTensors, PlaceWeight, component_folder};
 
 /// The eos id of older CLIP configs, which pool at the largest id of each row instead.
 const LEGACY_EOS_ID: u32 = 2;
@@ -89,10 +89,16 @@ impl<B: Kernels> ClipTextModel<B> {
     /// Loads transformers' text-encoder folder (a pipeline folder with `text_encoder/`, or the
     /// folder itself: `config.json` and its safetensors), or a single `.safetensors` file
     /// (ComfyUI's `clip_l.safetensors`), whose configuration is inferred
-    /// ([`ClipTextConfig::from_keys`]). The weights go to `device` in `dtype`. Keys may carry
-    /// the `text_model.` prefix; a text projection or vision tower in the files is ignored when
-    /// the config does not use it.
-    pub fn load(path: &Path, device: &B::Device, dtype: FloatDType) -> Result<Self, LoadError> {
+    /// ([`ClipTextConfig::from_keys`]). The weights go to `device` in `dtype`, the weight
+    /// matrices to `place` when given (host memory, for streaming). Keys may carry the
+    /// `text_model.` prefix; a text projection or vision tower in the files is ignored when the
+    /// config does not use it.
+    pub fn load(
+        path: &Path,
+        device: &B::Device,
+        dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
+    ) -> Result<Self, LoadError> {
         let (source, config) = if path.is_dir() {
             let folder =
                 component_folder(path, "text_encoder").ok_or_else(|| LoadError::UnknownLayout {
@@ -117,7 +123,7 @@ impl<B: Kernels> ClipTextModel<B> {
             str::to_string,
             device,
             dtype,
-            None,
+            place,
         )
     }
 
@@ -125,12 +131,14 @@ impl<B: Kernels> ClipTextModel<B> {
     /// (`sd_xl_base_1.0.safetensors`, see [`SgmTextEncoder`]), ignoring the file's other
     /// components. The configuration is inferred from the tensors
     /// ([`ClipTextConfig::from_keys`]) with the encoder's activation and, for bigG, the width of
-    /// its text projection. The weights go to `device` in `dtype`.
+    /// its text projection. The weights go to `device` in `dtype`, the weight matrices to
+    /// `place` when given.
     pub fn load_sgm(
         path: &Path,
         encoder: SgmTextEncoder,
         device: &B::Device,
         dtype: FloatDType,
+        place: Option<&mut PlaceWeight<'_, B>>,
     ) -> Result<Self, LoadError> {
         let files = Checkpoint::open(path)?;
         let tensors = NamedTensors::with_parts(files, path, |key| encoder.canonical(key))?;
@@ -158,7 +166,7 @@ impl<B: Kernels> ClipTextModel<B> {
             str::to_string,
             device,
             dtype,
-            None,
+            place,
         )
     }
 

@@ -146,7 +146,7 @@ impl Flux1 {
                 (clip, t5)
             }
             ModelSource::Files(files) => {
-                let clip = ClipTextModel::load(files.get("text_encoder"), device, dtype)?;
+                let clip = ClipTextModel::load(files.get("text_encoder"), device, dtype, None)?;
                 let path = files.get("text_encoder_2");
                 let t5 = match stream {
                     Some(stream) => {

@@ -26,16 +26,16 @@ use burn_diffusion::sdxl::{
 };
 use burn_diffusion::tokenize::CaptionTokenizer;
 use burn_diffusion::vae::VaeConfig;
-use burn_diffusion::{BlockTape, materialize};
+use burn_diffusion::{BlockTape, PlaceWeight};
 use burn_kernels::{FusedOps, Kernels};
 use burn_lora::LayoutNames;
-use burn_offload::{Offload, StreamTarget, WeightStream};
+use burn_offload::{Offload, OffloadBackend, StreamTarget, WeightStream};
 use burn_quant::Checkpoint;
 
 use super::ddpm::{DdpmPair, DdpmSchedule, sample_timesteps};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, f32_vae,
-    load_denoiser, mse_gradients, source_name,
+    into_stream, load_denoiser, mse_gradients, random_model, source_name,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -126,10 +126,12 @@ impl Sdxl {
         })
     }
 
-    /// CLIP-L and bigG in the model's dtype on `device`.
-    fn text_encoders<B: Kernels>(
+    /// CLIP-L and bigG in the model's dtype on `device`; with a `stream`, the weight matrices
+    /// of files load, and those of `random:` are made, straight in its host memory.
+    fn text_encoders<B: OffloadBackend + Kernels>(
         plan: &TrainPlan,
         device: &B::Device,
+        stream: Option<&WeightStream<B>>,
     ) -> Result<TextEncoders<B>, TrainError> {
         let dtype = float_dtype(plan);
         let seed = plan.train.seed;
@@ -169,26 +171,26 @@ impl Sdxl {
                 (clip_l, big_g)
             }
             ModelSource::Random(_) => {
-                B::seed(device, seed ^ 2);
-                let clip_l = materialize(ClipTextConfig::clip_l().init(device), dtype);
-                B::seed(device, seed ^ 3);
-                let big_g = materialize(ClipTextConfig::open_clip_big_g().init(device), dtype);
-                (clip_l, big_g)
+                let random = |config: ClipTextConfig, seed| {
+                    B::seed(device, seed);
+                    random_model(config.init(device), dtype, seed, stream, "CLIP")
+                };
+                (
+                    random(ClipTextConfig::clip_l(), seed ^ 2)?,
+                    random(ClipTextConfig::open_clip_big_g(), seed ^ 3)?,
+                )
             }
-            ModelSource::Files(files) => (
-                text_encoder(
-                    files.get("text_encoder"),
-                    SgmTextEncoder::ClipL,
-                    device,
-                    dtype,
-                )?,
-                text_encoder(
-                    files.get("text_encoder_2"),
-                    SgmTextEncoder::BigG,
-                    device,
-                    dtype,
-                )?,
-            ),
+            ModelSource::Files(files) => {
+                let load = |component, encoder| {
+                    let mut place = stream.map(into_stream);
+                    let place = place.as_mut().map(|p| p as &mut PlaceWeight<'_, B>);
+                    text_encoder(files.get(component), encoder, device, dtype, place)
+                };
+                (
+                    load("text_encoder", SgmTextEncoder::ClipL)?,
+                    load("text_encoder_2", SgmTextEncoder::BigG)?,
+                )
+            }
         })
     }
 }
@@ -200,6 +202,7 @@ fn text_encoder<B: Kernels>(
     encoder: SgmTextEncoder,
     device: &B::Device,
     dtype: FloatDType,
+    place: Option<&mut PlaceWeight<'_, B>>,
 ) -> Result<ClipTextModel<B>, TrainError> {
     let all_in_one = path.is_file()
         && Checkpoint::open(path)
@@ -207,9 +210,9 @@ fn text_encoder<B: Kernels>(
             .tensors()
             .any(|t| t.name.starts_with(encoder.prefix()));
     Ok(if all_in_one {
-        ClipTextModel::load_sgm(path, encoder, device, dtype)?
+        ClipTextModel::load_sgm(path, encoder, device, dtype, place)?
     } else {
-        ClipTextModel::load(path, device, dtype)?
+        ClipTextModel::load(path, device, dtype, place)?
     })
 }
 
@@ -306,7 +309,7 @@ impl Family for Sdxl {
                 })
                 .collect());
         }
-        let (clip_l, big_g) = Self::text_encoders::<Offload<B>>(plan, device)?;
+        let (clip_l, big_g) = Self::text_encoders::<Offload<B>>(plan, device, None)?;
         let encoded = encode_sdxl_prompt(
             (&tokenizers.0, &tokenizers.1),
             (&clip_l, &big_g),
@@ -329,8 +332,8 @@ impl Family for Sdxl {
             .collect()
     }
 
-    /// With a `stream`, the UNet's `Linear` weights of files load, and those of `random:` are
-    /// made, straight in host memory; text encoders that train load on the device.
+    /// With a `stream`, the `Linear` weights of files load, and those of `random:` are made,
+    /// straight in host memory (the UNet's, and those of text encoders that train).
     fn load<B: StreamTarget>(
         &self,
         plan: &TrainPlan,
@@ -338,7 +341,7 @@ impl Family for Sdxl {
         stream: Option<&WeightStream<TrainBackend<B>>>,
     ) -> Result<SdxlModel<TrainBackend<B>>, TrainError> {
         let (text_encoder, text_encoder_2) = if self.train_text_encoder {
-            let (clip_l, big_g) = Self::text_encoders::<TrainBackend<B>>(plan, device)?;
+            let (clip_l, big_g) = Self::text_encoders::<TrainBackend<B>>(plan, device, stream)?;
             (Some(clip_l.no_grad()), Some(big_g.no_grad()))
         } else {
             (None, None)

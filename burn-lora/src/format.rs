@@ -955,25 +955,18 @@ impl LayoutNames {
         if options.format != Format::Kohya {
             options.peft_alpha = self.peft_alpha;
         }
-        let mut main = set.clone();
-        let mut adapters = main.take_adapters();
         let mut parts = Vec::new();
         for component in &self.components {
             let mut part = AdapterSet::new(LoraMetadata::default());
-            let inside: Vec<String> = adapters
-                .keys()
-                .filter(|n| n.starts_with(&component.module_prefix))
-                .cloned()
-                .collect();
-            for name in inside {
-                let adapter = adapters.remove(&name).expect("listed above");
-                part.insert(&name[component.module_prefix.len()..], adapter);
+            for (name, adapter) in set.iter() {
+                if let Some(inner) = name.strip_prefix(&component.module_prefix) {
+                    part.insert(inner, adapter.clone());
+                }
             }
-            if part.is_empty() {
+            let Some((first, _)) = part.iter().next() else {
                 continue;
-            }
+            };
             let Some(prefix) = component.prefix(options.format) else {
-                let first = part.iter().next().map(|(n, _)| n).unwrap_or_default();
                 return Err(LoraError::Unnamed {
                     module: format!("{}{first}", component.module_prefix),
                 });
@@ -988,8 +981,16 @@ impl LayoutNames {
                 component.peft_config_root.as_str(),
             ));
         }
-        main.replace_adapters(adapters);
-        let main = self.map(options.format).to_target(&main)?;
+        let map = self.map(options.format);
+        let main = if parts.is_empty() {
+            map.to_target(set)?
+        } else {
+            let mut main = set.clone();
+            let mut adapters = main.take_adapters();
+            adapters.retain(|name, _| self.component_of(name).is_none());
+            main.replace_adapters(adapters);
+            map.to_target(&main)?
+        };
         let mut all = vec![(&main, &options, "")];
         all.extend(
             parts

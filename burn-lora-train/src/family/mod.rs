@@ -187,7 +187,7 @@ pub trait Family: Sized {
     /// What the cache key must cover besides the items, the architecture and the model source:
     /// anything else the encodings depend on; by default the tokenizer folder.
     fn cache_key(&self, plan: &TrainPlan) -> String {
-        format!("tokenizers {}\n", plan.model.tokenizers.display())
+        tokenizers_key(plan)
     }
 
     /// The names of an image's encodings and of a caption's, as the encoders return them.
@@ -497,6 +497,12 @@ pub fn streamed<B: StreamTarget, T>(
         stats.bytes_uploaded as f64 / 1e9
     );
     out
+}
+
+/// The part of a cache key that names `plan`'s tokenizer folder ([`Family::cache_key`]'s
+/// default).
+pub(crate) fn tokenizers_key(plan: &TrainPlan) -> String {
+    format!("tokenizers {}\n", plan.model.tokenizers.display())
 }
 
 /// The name a LoRA file records as its base model: `tiny` for the tiny model, `random:<shape>`,

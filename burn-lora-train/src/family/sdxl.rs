@@ -35,7 +35,7 @@ use burn_quant::Checkpoint;
 use super::ddpm::{DdpmPair, DdpmSchedule, sample_timesteps};
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, f32_vae,
-    into_stream, load_denoiser, mse_gradients, random_model, source_name,
+    into_stream, load_denoiser, mse_gradients, random_model, source_name, tokenizers_key,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -244,7 +244,7 @@ impl Family for Sdxl {
         } else {
             ""
         };
-        format!("tokenizers {}\n{ids}", plan.model.tokenizers.display())
+        format!("{}{ids}", tokenizers_key(plan))
     }
 
     fn base_model_name(&self, plan: &TrainPlan) -> String {

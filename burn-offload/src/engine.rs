@@ -97,8 +97,9 @@ struct State<B: StreamTarget> {
     kept: HashMap<u64, (FloatTensor<B>, u64)>,
     /// Device bytes of the kept copies.
     kept_bytes: u64,
-    /// Which replayed uses keep their weight, and which find it kept.
-    retention: Retention,
+    /// For each recording of the schedule, which replayed uses keep their weight, and which
+    /// find it kept.
+    retentions: Vec<Retention>,
     /// How the last plan divides the budget.
     planned: MemoryPlan,
     /// Where device memory is read, in place of `B::memory_in_use`.
@@ -115,8 +116,6 @@ struct State<B: StreamTarget> {
     /// Bumped to invalidate prefetched slots and fills in flight.
     generation: u64,
     releases: u64,
-    /// Uses and FLOP per weight in the current step.
-    profile: BTreeMap<u64, (u64, f64)>,
     counters: Counters,
     step_started: Option<Instant>,
     steps: u64,
@@ -144,12 +143,20 @@ impl<B: StreamTarget> State<B> {
     /// For replay use `index` of weight `id`: the copy kept since the weight's previous use, if
     /// any, still kept after this use where the retention says so.
     fn take_kept(&mut self, id: u64, index: usize) -> Option<FloatTensor<B>> {
-        if self.retention.keeps(index) {
+        if self.retention().keeps(index) {
             return self.kept.get(&id).map(|(t, _)| t.clone());
         }
         let (tensor, bytes) = self.kept.remove(&id)?;
         self.kept_bytes -= bytes;
         Some(tensor)
+    }
+
+    /// The retention of the recording the step replays.
+    fn retention(&self) -> &Retention {
+        self.schedule
+            .replaying()
+            .and_then(|i| self.retentions.get(i))
+            .unwrap_or(&KEEP_NOTHING)
     }
 
     /// Drops the copies kept between uses.
@@ -213,7 +220,7 @@ impl<B: StreamTarget> State<B> {
             let weight = self.weights.get(&key).and_then(Weak::upgrade);
             match weight {
                 // The compute takes the copy kept since the previous use.
-                _ if self.retention.is_kept(index) => self.next_fill += 1,
+                _ if self.retention().is_kept(index) => self.next_fill += 1,
                 Some(weight) if self.route(&weight) == Route::Ring => {
                     let claim = self.claim(Some(index))?;
                     self.next_fill += 1;
@@ -271,15 +278,16 @@ impl<B: StreamTarget> State<B> {
             .map_or(0, |r| (r.slots.len() * r.slot_bytes) as u64)
     }
 
-    /// The live weights and what the planner knows of each: the profile of the step just
-    /// ended or, before any step, sizes alone.
+    /// The live weights and what the planner knows of each: their uses over the recorded
+    /// steps (one of each kind) or, before any step, sizes alone.
     fn profiles(&self) -> (Vec<Arc<HostWeight>>, Vec<WeightProfile>) {
         let live: Vec<Arc<HostWeight>> = self.weights.values().filter_map(Weak::upgrade).collect();
-        let profiled = !self.profile.is_empty();
+        let profile = self.schedule.profile();
+        let profiled = !profile.is_empty();
         let profiles = live
             .iter()
             .map(|w| {
-                let (uses, flops) = match self.profile.get(&w.id) {
+                let (uses, flops) = match profile.get(&w.id) {
                     Some(&p) => p,
                     None if profiled => (0, 0.0),
                     // Nothing measured yet: every weight counts as used once, without compute.
@@ -297,22 +305,20 @@ impl<B: StreamTarget> State<B> {
         (live, profiles)
     }
 
-    /// Recomputes the routes ([`State::profiles`]) and the retention of the recorded order,
+    /// Recomputes the routes ([`State::profiles`]) and the retention of each recorded order,
     /// and drops resident copies that are no longer wanted; returns their bytes.
     fn replan(&mut self) -> u64 {
         self.weights.retain(|_, w| w.strong_count() > 0);
         let (live, profiles) = self.profiles();
         let limits = plan_limits(&self.config);
         let index: HashMap<u64, usize> = live.iter().enumerate().map(|(i, w)| (w.id, i)).collect();
-        let order: Vec<Option<usize>> = self
+        let orders: Vec<Vec<Option<usize>>> = self
             .schedule
             .recorded()
-            .unwrap_or_default()
-            .iter()
-            .map(|key| index.get(key).copied())
+            .map(|order| order.iter().map(|key| index.get(key).copied()).collect())
             .collect();
-        let (plan, retention) =
-            policy::plan_step(&profiles, &order, self.config.retain_window, &limits);
+        let (plan, retentions) =
+            policy::plan_step(&profiles, &orders, self.config.retain_window, &limits);
         let resident_weights = plan
             .routes
             .iter()
@@ -325,9 +331,9 @@ impl<B: StreamTarget> State<B> {
             resident_bytes: plan.resident_bytes,
             streamed_weights: live.len() - resident_weights,
             ring_bytes: plan.ring_bytes,
-            retained_bytes: retention.peak_bytes,
+            retained_bytes: retentions.iter().map(|r| r.peak_bytes).max().unwrap_or(0),
         };
-        self.retention = retention;
+        self.retentions = retentions;
         self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
         let routes = &self.routes;
         let mut dropped = 0;
@@ -345,7 +351,11 @@ impl<B: StreamTarget> State<B> {
             resident_bytes = plan.resident_bytes,
             ring_bytes = plan.ring_bytes,
             retained_bytes = self.planned.retained_bytes,
-            kept_uses = self.retention.kept_uses(),
+            kept_uses = self
+                .retentions
+                .iter()
+                .map(Retention::kept_uses)
+                .sum::<usize>(),
             headroom = limits.activation_headroom,
             "offload plan"
         );
@@ -363,6 +373,9 @@ impl<B: StreamTarget> State<B> {
             .unwrap_or(0)
     }
 }
+
+/// The retention of a step that replays nothing.
+static KEEP_NOTHING: Retention = Retention::NONE;
 
 /// The planner's limits for `config`.
 fn plan_limits(config: &OffloadConfig) -> PlanLimits {
@@ -409,7 +422,7 @@ impl<B: StreamTarget> Engine<B> {
                     resident_bytes: 0,
                     kept: HashMap::new(),
                     kept_bytes: 0,
-                    retention: Retention::default(),
+                    retentions: Vec::new(),
                     planned: MemoryPlan::default(),
                     probe: None,
                     ring: None,
@@ -420,7 +433,6 @@ impl<B: StreamTarget> Engine<B> {
                     consumed: 0,
                     generation: 0,
                     releases: 0,
-                    profile: BTreeMap::new(),
                     counters: Counters::default(),
                     step_started: None,
                     steps: 0,
@@ -533,7 +545,6 @@ impl<B: StreamTarget> Engine<B> {
         st.drop_kept();
         st.next_fill = 0;
         st.consumed = 0;
-        st.profile.clear();
         st.counters = Counters::default();
         st.step_started = Some(Instant::now());
         st = self.resize_ring(st);
@@ -657,16 +668,25 @@ impl<B: StreamTarget> Engine<B> {
         let depth = depth(st.config.ring_slots);
         st.depth = depth;
         st.counters.weight_uses += 1;
-        let entry = st.profile.entry(weight.id).or_insert((0, 0.0));
-        entry.0 += 1;
-        entry.1 += flops;
-        let decision = st.schedule.on_use(weight.id);
-        if decision == Use::Fallback {
-            // The order left the recording: drop what was prefetched and kept (a no-op after
-            // the first such use, as the loader has nothing left to replay).
-            st.cancel_prefetch();
-            st.drop_kept();
-        }
+        let decision = match st.schedule.on_use(weight.id, flops) {
+            Use::Fallback => {
+                // The order left the recording: drop what was prefetched and kept (a no-op
+                // after the first such use, as the loader has nothing left to replay).
+                st.cancel_prefetch();
+                st.drop_kept();
+                Use::Fallback
+            }
+            Use::Switched => {
+                // The step replays another recording from its first use: the loader starts
+                // over on that one.
+                st.cancel_prefetch();
+                st.drop_kept();
+                st.next_fill = 0;
+                st.consumed = 0;
+                Use::Replay(0)
+            }
+            decision => decision,
+        };
         if st.ring.is_none() && st.route(weight) == Route::Ring {
             st = self.resize_ring(st);
         }
@@ -701,7 +721,7 @@ impl<B: StreamTarget> Engine<B> {
                     Use::Replay(index) => Some(index),
                     _ => None,
                 };
-                if let Some(index) = replayed.filter(|&i| st.retention.is_kept(i))
+                if let Some(index) = replayed.filter(|&i| st.retention().is_kept(i))
                     && let Some(tensor) = st.take_kept(weight.id, index)
                 {
                     st.consumed = index + 1;
@@ -711,7 +731,7 @@ impl<B: StreamTarget> Engine<B> {
                     self.shared.changed.notify_all();
                     return op(tensor);
                 }
-                let keep = replayed.is_some_and(|i| st.retention.keeps(i));
+                let keep = replayed.is_some_and(|i| st.retention().keeps(i));
                 let slot = match decision {
                     Use::Replay(index) if depth > 0 => self.take_prefetched(st, weight, index),
                     _ => self.fetch_on_demand(st, weight),

@@ -19,9 +19,13 @@ pub enum Use {
     Unscheduled,
     /// The step is being recorded: fetch on demand.
     Record,
-    /// The use matches position `index` of the recorded order, so the loader has fetched (or
-    /// is fetching) its weight.
+    /// The use matches position `index` of the recording the step replays, so the loader has
+    /// fetched (or is fetching) its weight.
     Replay(usize),
+    /// The step's first use is the first of another recording, which the step replays from
+    /// here (this use is its position 0): what was prefetched for the other is dropped and
+    /// prefetching starts over.
+    Switched,
     /// The order diverged from the recording at this use or earlier in the step: fetch on
     /// demand for the rest of the step.
     Fallback,
@@ -33,18 +37,18 @@ pub enum ScheduleOutcome {
     /// Uses outside `begin_step` / `end_step`.
     #[default]
     Unscheduled,
-    /// The step's order was recorded; the next step replays it.
+    /// The step's order was recorded; a later step that begins as it did replays it.
     Recorded {
         /// Weight uses in the step.
         uses: usize,
     },
-    /// The step followed the recorded order to the end.
+    /// The step followed a recorded order to the end.
     Replayed {
         /// Weight uses in the step.
         uses: usize,
     },
     /// The order changed at use `at` (or the step ended there); the rest was fetched on demand
-    /// and the step's own order replaces the recording.
+    /// and the step's own order replaces the recording it began as.
     Diverged {
         /// Index of the first use that differed.
         at: usize,
@@ -53,124 +57,211 @@ pub enum ScheduleOutcome {
     },
 }
 
-#[derive(Debug)]
+/// A step's weight uses in order, with the FLOP of each.
+#[derive(Clone, Debug, Default)]
+struct Recording {
+    keys: Vec<WeightKey>,
+    flops: Vec<f64>,
+}
+
+impl Recording {
+    fn push(&mut self, key: WeightKey, flops: f64) {
+        self.keys.push(key);
+        self.flops.push(flops);
+    }
+
+    fn truncated(&self, len: usize) -> Self {
+        Self {
+            keys: self.keys[..len].to_vec(),
+            flops: self.flops[..len].to_vec(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
 enum StepState {
+    #[default]
     Idle,
-    Recording(Vec<WeightKey>),
+    Recording(Recording),
     Replaying(usize),
-    Diverged { at: usize, seen: Vec<WeightKey> },
+    Diverged {
+        at: usize,
+        seen: Recording,
+    },
 }
 
 /// Records the order of weight uses in a step and replays it in later steps.
 ///
-/// The first step records; each later step compares every use with the recording. On the first
-/// mismatch (another weight, more uses than recorded, or fewer when the step ends) the rest of
-/// the step is fetched on demand and its complete order becomes the new recording.
-#[derive(Debug)]
+/// A model that runs in several ways (two experts that take turns, each with weights of its
+/// own) has a recording for each: a step's first use picks the recording that begins with the
+/// same weight. A step replays the recording of the step before it; when its first use begins
+/// another, it switches to that one, and when it begins none, the step is recorded as one more
+/// (beyond [`Schedule::RECORDINGS`] the least recently used is forgotten). Within a step, on the
+/// first mismatch (another weight, more uses than recorded, or fewer when the step ends) the
+/// rest of the step is fetched on demand and its complete order replaces the recording.
+#[derive(Debug, Default)]
 pub struct Schedule {
-    order: Option<Vec<WeightKey>>,
+    recordings: Vec<Recording>,
+    /// The step that last used each recording.
+    last_used: Vec<u64>,
+    /// The recording the running step replays, or the last step used.
+    current: usize,
+    steps: u64,
     state: StepState,
 }
 
-impl Default for Schedule {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Schedule {
+    /// Recordings kept at most.
+    pub const RECORDINGS: usize = 4;
+
     /// A schedule with nothing recorded.
     pub fn new() -> Self {
-        Self {
-            order: None,
-            state: StepState::Idle,
-        }
+        Self::default()
     }
 
-    /// Starts a step (ending a step left open, if any): replays the recording if there is one,
-    /// records otherwise.
+    /// Starts a step (ending a step left open, if any): replays the last step's recording if
+    /// there is one, records otherwise.
     pub fn begin_step(&mut self) {
         if !matches!(self.state, StepState::Idle) {
             self.end_step();
         }
-        self.state = match self.order {
-            Some(_) => StepState::Replaying(0),
-            None => StepState::Recording(Vec::new()),
+        self.steps += 1;
+        self.state = match self.recordings.is_empty() {
+            true => StepState::Recording(Recording::default()),
+            false => StepState::Replaying(0),
         };
     }
 
-    /// Classifies the next use, of weight `key`.
-    pub fn on_use(&mut self, key: WeightKey) -> Use {
+    /// Classifies the next use, of weight `key` with `flops` of compute.
+    pub fn on_use(&mut self, key: WeightKey, flops: f64) -> Use {
         match &mut self.state {
             StepState::Idle => Use::Unscheduled,
             StepState::Recording(seen) => {
-                seen.push(key);
+                seen.push(key, flops);
                 Use::Record
+            }
+            StepState::Diverged { seen, .. } => {
+                seen.push(key, flops);
+                Use::Fallback
             }
             StepState::Replaying(pos) => {
                 let at = *pos;
-                let order = self.order.as_deref().unwrap_or_default();
-                if order.get(at) == Some(&key) {
+                let order = &self.recordings[self.current];
+                if order.keys.get(at) == Some(&key) {
                     *pos += 1;
-                    Use::Replay(at)
-                } else {
-                    let mut seen = order[..at].to_vec();
-                    seen.push(key);
-                    self.state = StepState::Diverged { at, seen };
-                    Use::Fallback
+                    return Use::Replay(at);
                 }
-            }
-            StepState::Diverged { seen, .. } => {
-                seen.push(key);
+                if at == 0 {
+                    let other = self
+                        .recordings
+                        .iter()
+                        .position(|r| r.keys.first() == Some(&key));
+                    if let Some(other) = other {
+                        self.current = other;
+                        self.state = StepState::Replaying(1);
+                        return Use::Switched;
+                    }
+                    let mut seen = Recording::default();
+                    seen.push(key, flops);
+                    self.state = StepState::Recording(seen);
+                    return Use::Record;
+                }
+                let mut seen = order.truncated(at);
+                seen.push(key, flops);
+                self.state = StepState::Diverged { at, seen };
                 Use::Fallback
             }
         }
     }
 
-    /// Ends the step and says how it went; a recorded or diverged step's order becomes the
-    /// recording.
+    /// Ends the step and says how it went; a recorded step's order becomes one more recording,
+    /// a diverged step's replaces the one it began as.
     pub fn end_step(&mut self) -> ScheduleOutcome {
-        match std::mem::replace(&mut self.state, StepState::Idle) {
+        let steps = self.steps;
+        match std::mem::take(&mut self.state) {
             StepState::Idle => ScheduleOutcome::Unscheduled,
             StepState::Recording(seen) => {
-                let uses = seen.len();
-                self.order = Some(seen);
+                let uses = seen.keys.len();
+                if uses > 0 {
+                    self.add(seen);
+                }
                 ScheduleOutcome::Recorded { uses }
             }
             StepState::Replaying(pos) => {
-                let order = self.order.as_mut().expect("replaying without a recording");
-                if pos == order.len() {
-                    ScheduleOutcome::Replayed { uses: pos }
-                } else {
-                    order.truncate(pos);
-                    ScheduleOutcome::Diverged { at: pos, uses: pos }
+                self.last_used[self.current] = steps;
+                let order = &mut self.recordings[self.current];
+                if pos == order.keys.len() {
+                    return ScheduleOutcome::Replayed { uses: pos };
                 }
+                *order = order.truncated(pos);
+                if pos == 0 {
+                    self.remove(self.current);
+                }
+                ScheduleOutcome::Diverged { at: pos, uses: pos }
             }
             StepState::Diverged { at, seen } => {
-                let uses = seen.len();
-                self.order = Some(seen);
+                let uses = seen.keys.len();
+                self.last_used[self.current] = steps;
+                self.recordings[self.current] = seen;
                 ScheduleOutcome::Diverged { at, uses }
             }
         }
     }
 
-    /// The recorded order, if any, whether or not a step is running.
-    pub fn recorded(&self) -> Option<&[WeightKey]> {
-        self.order.as_deref()
+    /// Adds `recording` as the current one, forgetting the least recently used beyond
+    /// [`Schedule::RECORDINGS`].
+    fn add(&mut self, recording: Recording) {
+        if self.recordings.len() == Self::RECORDINGS {
+            let oldest = (0..self.last_used.len())
+                .min_by_key(|&i| self.last_used[i])
+                .expect("a full schedule has recordings");
+            self.remove(oldest);
+        }
+        self.recordings.push(recording);
+        self.last_used.push(self.steps);
+        self.current = self.recordings.len() - 1;
+    }
+
+    fn remove(&mut self, index: usize) {
+        self.recordings.remove(index);
+        self.last_used.remove(index);
+        self.current = self.recordings.len().saturating_sub(1);
+    }
+
+    /// Every recorded order, whether or not a step is running.
+    pub fn recorded(&self) -> impl Iterator<Item = &[WeightKey]> {
+        self.recordings.iter().map(|r| r.keys.as_slice())
+    }
+
+    /// The position among [`Schedule::recorded`] of the order a step replays, while it does.
+    pub fn replaying(&self) -> Option<usize> {
+        matches!(self.state, StepState::Replaying(_)).then_some(self.current)
     }
 
     /// The recorded order, while a step replays it (the loader's work list).
     pub fn replay_order(&self) -> Option<&[WeightKey]> {
-        match self.state {
-            StepState::Replaying(_) => self.order.as_deref(),
-            _ => None,
-        }
+        self.replaying().map(|i| self.recordings[i].keys.as_slice())
     }
 
-    /// Forgets the recording and abandons the step in progress: the next step records again.
+    /// The uses and FLOP of each weight over every recording: a step of each kind, summed.
+    pub fn profile(&self) -> HashMap<WeightKey, (u64, f64)> {
+        let mut profile = HashMap::new();
+        for r in &self.recordings {
+            for (key, flops) in r.keys.iter().zip(&r.flops) {
+                let entry = profile.entry(*key).or_insert((0, 0.0));
+                entry.0 += 1;
+                entry.1 += flops;
+            }
+        }
+        profile
+    }
+
+    /// Forgets the recordings and abandons the step in progress: the next step records again.
     pub fn reset(&mut self) {
-        self.order = None;
-        self.state = StepState::Idle;
+        *self = Self {
+            steps: self.steps,
+            ..Self::default()
+        };
     }
 }
 
@@ -317,6 +408,13 @@ pub struct Retention {
 }
 
 impl Retention {
+    /// Keeps nothing.
+    pub const NONE: Self = Self {
+        keep: Vec::new(),
+        kept: Vec::new(),
+        peak_bytes: 0,
+    };
+
     /// Whether use `index` keeps its weight until the weight's next use.
     pub fn keeps(&self, index: usize) -> bool {
         self.keep.get(index).copied().unwrap_or(false)
@@ -386,20 +484,21 @@ pub fn retention(
     retention
 }
 
-/// [`plan`] for a step whose uses come in `order` ([`retention`]'s), keeping weights between
-/// uses at most `window` apart: the retention takes what the budget leaves beside the
-/// activation headroom and the ring of a plan that streams everything (with no bound at budget
-/// 0), and the resident weights are planned in what it leaves. Retention comes first: keeping
-/// one block's weights between its recompute and its backward saves a third of every streamed
-/// weight's transfers, where the same bytes kept resident save the transfers of those weights
-/// alone. Where [`plan`] without retention moves no more bytes per step (a budget that holds
-/// nearly every weight), that plan is taken instead.
+/// [`plan`] for steps whose uses come in one of `orders` ([`retention`]'s, one per recording),
+/// keeping weights between uses at most `window` apart: the retention takes what the budget
+/// leaves beside the activation headroom and the ring of a plan that streams everything (with no
+/// bound at budget 0), and the resident weights are planned in what it leaves. Retention comes
+/// first: keeping one block's weights between its recompute and its backward saves a third of
+/// every streamed weight's transfers, where the same bytes kept resident save the transfers of
+/// those weights alone. Where [`plan`] without retention moves no more bytes over a step of each
+/// order (a budget that holds nearly every weight), that plan is taken instead. Steps of
+/// different orders never run at once, so the retention needs the most any one order keeps.
 pub fn plan_step(
     weights: &[WeightProfile],
-    order: &[Option<usize>],
+    orders: &[Vec<Option<usize>>],
     window: usize,
     limits: &PlanLimits,
-) -> (Plan, Retention) {
+) -> (Plan, Vec<Retention>) {
     let streamed = streaming_everything(weights, limits);
     let limit = match limits.vram_budget {
         0 => u64::MAX,
@@ -407,22 +506,35 @@ pub fn plan_step(
             .saturating_sub(limits.activation_headroom)
             .saturating_sub(streamed.ring_bytes),
     };
-    let most = retention(order, weights, &streamed.routes, window, limit);
+    let retained = |routes: &[Route], limit: u64| -> Vec<Retention> {
+        orders
+            .iter()
+            .map(|order| retention(order, weights, routes, window, limit))
+            .collect()
+    };
+    let peak = |retentions: &[Retention]| retentions.iter().map(|r| r.peak_bytes).max();
+    let most = peak(&retained(&streamed.routes, limit)).unwrap_or(0);
     let plan = self::plan(
         weights,
         &PlanLimits {
-            activation_headroom: limits.activation_headroom.saturating_add(most.peak_bytes),
+            activation_headroom: limits.activation_headroom.saturating_add(most),
             ..*limits
         },
     );
-    let retention = retention(order, weights, &plan.routes, window, most.peak_bytes);
+    let retentions = retained(&plan.routes, most);
     let without = self::plan(weights, limits);
-    if bytes_moved(weights, order, &without, &Retention::default())
-        <= bytes_moved(weights, order, &plan, &retention)
-    {
-        return (without, Retention::default());
+    let moved = |plan: &Plan, retentions: &[Retention]| -> u64 {
+        orders
+            .iter()
+            .zip(retentions)
+            .map(|(order, r)| bytes_moved(weights, order, plan, r))
+            .sum()
+    };
+    let none = vec![Retention::default(); orders.len()];
+    if moved(&without, &none) <= moved(&plan, &retentions) {
+        return (without, none);
     }
-    (plan, retention)
+    (plan, retentions)
 }
 
 /// Bytes a step moves over the bus with `plan` and `retention`: every use of a streamed weight
@@ -532,14 +644,14 @@ mod tests {
 
     fn replay(schedule: &mut Schedule, keys: &[WeightKey]) -> (Vec<Use>, ScheduleOutcome) {
         schedule.begin_step();
-        let uses = keys.iter().map(|&k| schedule.on_use(k)).collect();
+        let uses = keys.iter().map(|&k| schedule.on_use(k, 1.0)).collect();
         (uses, schedule.end_step())
     }
 
     #[test]
     fn uses_outside_a_step_are_unscheduled() {
         let mut s = Schedule::new();
-        assert_eq!(s.on_use(1), Use::Unscheduled);
+        assert_eq!(s.on_use(1, 0.0), Use::Unscheduled);
         assert_eq!(s.end_step(), ScheduleOutcome::Unscheduled);
         assert_eq!(s.replay_order(), None);
     }
@@ -554,7 +666,7 @@ mod tests {
         for _ in 0..2 {
             s.begin_step();
             assert_eq!(s.replay_order(), Some(&order[..]));
-            let uses: Vec<Use> = order.iter().map(|&k| s.on_use(k)).collect();
+            let uses: Vec<Use> = order.iter().map(|&k| s.on_use(k, 1.0)).collect();
             assert_eq!(uses, (0..5).map(Use::Replay).collect::<Vec<_>>());
             assert_eq!(s.end_step(), ScheduleOutcome::Replayed { uses: 5 });
         }
@@ -588,13 +700,6 @@ mod tests {
                 vec![r(0), r(1)],
                 ScheduleOutcome::Diverged { at: 2, uses: 2 },
             ),
-            // the very first use differs
-            (
-                vec![1, 2],
-                vec![2, 1],
-                vec![f, f],
-                ScheduleOutcome::Diverged { at: 0, uses: 2 },
-            ),
         ];
         for (recorded, next, expected_uses, expected_outcome) in cases {
             let mut s = Schedule::new();
@@ -613,12 +718,53 @@ mod tests {
     fn an_open_step_is_closed_by_the_next_begin() {
         let mut s = Schedule::new();
         s.begin_step();
-        s.on_use(7);
+        s.on_use(7, 0.0);
         s.begin_step();
-        assert_eq!(s.on_use(7), Use::Replay(0));
+        assert_eq!(s.on_use(7, 0.0), Use::Replay(0));
         s.reset();
         s.begin_step();
-        assert_eq!(s.on_use(7), Use::Record);
+        assert_eq!(s.on_use(7, 0.0), Use::Record);
+    }
+
+    #[test]
+    fn steps_that_begin_differently_each_replay_a_recording_of_their_own() {
+        let mut s = Schedule::new();
+        let (a, b) = ([1, 2, 3], [7, 8, 3]);
+        replay(&mut s, &a);
+        // The first use begins no recording: the step is recorded beside the other.
+        let (uses, outcome) = replay(&mut s, &b);
+        assert_eq!(uses, vec![Use::Record; 3]);
+        assert_eq!(outcome, ScheduleOutcome::Recorded { uses: 3 });
+        // A step replays the last step's recording, and switches at its first use.
+        let replayed = (0..3).map(Use::Replay).collect::<Vec<_>>();
+        for (keys, first) in [(a, Use::Switched), (a, Use::Replay(0)), (b, Use::Switched)] {
+            s.begin_step();
+            assert_eq!(s.on_use(keys[0], 1.0), first);
+            assert_eq!(s.replay_order(), Some(&keys[..]));
+            let rest: Vec<Use> = keys[1..].iter().map(|&k| s.on_use(k, 1.0)).collect();
+            assert_eq!(rest, replayed[1..]);
+            assert_eq!(s.end_step(), ScheduleOutcome::Replayed { uses: 3 });
+        }
+        // Weight 3 is used by a step of each kind.
+        let profile = s.profile();
+        assert_eq!(
+            (profile[&3], profile[&1], profile.len()),
+            ((2, 2.0), (1, 1.0), 5)
+        );
+        // A divergence within a step replaces only the recording it began as.
+        replay(&mut s, &[7, 9]);
+        assert_eq!(
+            replay(&mut s, &[7, 9]).1,
+            ScheduleOutcome::Replayed { uses: 2 }
+        );
+        assert_eq!(replay(&mut s, &a).1, ScheduleOutcome::Replayed { uses: 3 });
+        // Beyond the limit the least recently used recording is forgotten.
+        for first in 20..20 + Schedule::RECORDINGS as u64 - 1 {
+            replay(&mut s, &[first]);
+        }
+        assert_eq!(s.recorded().count(), Schedule::RECORDINGS);
+        assert!(s.recorded().all(|order| order[0] != 7));
+        assert_eq!(replay(&mut s, &a).1, ScheduleOutcome::Replayed { uses: 3 });
     }
 
     fn weight(bytes: u64, uses: u64, flops: f64) -> WeightProfile {
@@ -778,6 +924,41 @@ mod tests {
         order.into_iter().map(Some).collect()
     }
 
+    /// [`plan_step`] for steps of one order, window 3.
+    fn plan_one(
+        weights: &[WeightProfile],
+        order: &[Option<usize>],
+        limits: &PlanLimits,
+    ) -> (Plan, Retention) {
+        let (plan, mut retentions) = plan_step(weights, &[order.to_vec()], 3, limits);
+        assert_eq!(retentions.len(), 1);
+        (plan, retentions.remove(0))
+    }
+
+    #[test]
+    fn steps_of_two_orders_keep_what_either_keeps_but_never_both_at_once() {
+        // Two experts of four 100-byte weights each, checkpointed in two blocks, taking turns.
+        let eight = vec![weight(100, 3, 0.0); 8];
+        let first = checkpointed(2);
+        let second: Vec<Option<usize>> = first.iter().map(|w| w.map(|w| w + 4)).collect();
+        let orders = [first.clone(), second.clone()];
+        let (p, r) = plan_step(&eight, &orders, 3, &limits(400));
+        // A ring of two slots and one block kept fill the budget: 200 bytes kept, not 400.
+        assert_eq!((p.ring_bytes, p.resident_bytes), (200, 0));
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].peak_bytes, r[1].peak_bytes), (200, 200));
+        let (expected_keeps, expected_kept) = kept_uses(&r[0], first.len());
+        assert!(!expected_kept.is_empty());
+        assert_eq!(
+            kept_uses(&r[1], second.len()),
+            (expected_keeps, expected_kept)
+        );
+        // At 1000 bytes, what streaming would save beside the ring is resident instead.
+        let (p, r) = plan_step(&eight, &orders, 3, &limits(1000));
+        assert!(p.resident_bytes + p.ring_bytes + r[0].peak_bytes.max(r[1].peak_bytes) <= 1000);
+        assert!(p.resident_bytes > 0);
+    }
+
     fn kept_uses(r: &Retention, n: usize) -> (Vec<usize>, Vec<usize>) {
         let keeps = (0..n).filter(|&i| r.keeps(i)).collect();
         let kept = (0..n).filter(|&i| r.is_kept(i)).collect();
@@ -836,7 +1017,7 @@ mod tests {
                     activation_headroom: headroom,
                     ..limits(budget)
                 };
-                let (p, r) = plan_step(&eight, &order, 3, &limits);
+                let (p, r) = plan_one(&eight, &order, &limits);
                 let used = p.resident_bytes + p.ring_bytes + r.peak_bytes + headroom;
                 assert!(used <= budget, "budget {budget}, headroom {headroom}");
                 // Never more than the plan without retention.
@@ -857,7 +1038,7 @@ mod tests {
         // 400 bytes: keeping one block (200) beside the ring (200) saves a transfer of each
         // block's two weights and of the last block's forward: 14 of 24 uses cross, where two
         // resident weights would leave 18.
-        let (p, r) = plan_step(&eight, &order, 3, &limits(400));
+        let (p, r) = plan_one(&eight, &order, &limits(400));
         assert_eq!((p.resident_bytes, r.peak_bytes), (0, 200));
         assert_eq!(bytes_moved(&eight, &order, &p, &r), 1400);
         let without = plan(&eight, &limits(400));
@@ -866,10 +1047,10 @@ mod tests {
             1800
         );
         // 800 bytes hold every weight without a ring: nothing to keep.
-        let (p, r) = plan_step(&eight, &order, 3, &limits(800));
+        let (p, r) = plan_one(&eight, &order, &limits(800));
         assert_eq!((p.resident_bytes, p.ring_bytes, r.peak_bytes), (800, 0, 0));
         // Budget 0 streams every weight and keeps every span in the window.
-        let (p, r) = plan_step(&eight, &order, 3, &limits(0));
+        let (p, r) = plan_one(&eight, &order, &limits(0));
         assert_eq!(
             (p.resident_bytes, r.kept_uses(), r.peak_bytes),
             (0, 10, 200)

@@ -88,6 +88,30 @@ fn a_changed_order_falls_back_on_demand_then_replays_the_new_one() {
 }
 
 #[test]
+fn steps_that_take_turns_between_two_orders_replay_both() {
+    use Path::{All, Skip};
+    // Skipping the first block changes the first weight used: a model run two ways (as two
+    // experts taking turns), each replayed from its own recording.
+    let stats = compare(ring_of_two(), &[All, Skip(0), Skip(0), All, Skip(0), All]);
+    let outcomes: Vec<ScheduleOutcome> = stats.iter().map(|s| s.schedule).collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            ScheduleOutcome::Recorded { uses: 16 },
+            ScheduleOutcome::Recorded { uses: 10 },
+            ScheduleOutcome::Replayed { uses: 10 },
+            ScheduleOutcome::Replayed { uses: 16 },
+            ScheduleOutcome::Replayed { uses: 10 },
+            ScheduleOutcome::Replayed { uses: 16 },
+        ]
+    );
+    for s in &stats[2..] {
+        assert_eq!(s.on_demand, 0, "{s:?}");
+        assert!(s.prefetched > 0, "{s:?}");
+    }
+}
+
+#[test]
 fn small_weights_take_the_direct_path() {
     let config = ring_of_two().with_direct_threshold(1 << 20);
     let stats = compare(config, &[Path::All; 2]);

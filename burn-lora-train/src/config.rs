@@ -174,6 +174,13 @@ pub struct ModelYaml {
     /// The transformer, when not the one of `path`: a folder or a single file.
     #[serde(default)]
     pub transformer: Option<PathBuf>,
+    /// Wan 2.2 A14B's low-noise expert, trained with one LoRA together with the transformer of
+    /// `path` (the high-noise expert), each on its own timesteps (`train.timestep_boundary`):
+    /// the pipeline folder (read at its `transformer_2/`, as diffusers' pipeline names it), that
+    /// folder itself or a single file; with `path: tiny` or `random:<shape>`, the same word: a
+    /// second model of that shape with weights of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer_2: Option<PathBuf>,
     /// SDXL's UNet, when not the one of `path`: a diffusers folder or an all-in-one file.
     #[serde(default)]
     pub unet: Option<PathBuf>,
@@ -282,6 +289,11 @@ pub struct TrainSectionYaml {
     /// Highest timestep trained, 1–1000; absent: 1000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_timestep: Option<u32>,
+    /// With `model.transformer_2`: the timestep (of 1000) from which the transformer of
+    /// `model.path` (the high-noise expert) denoises, and below which `transformer_2` does;
+    /// absent: 875 (Wan 2.2 A14B text-to-video's `boundary_ratio`; 900 for image-to-video).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestep_boundary: Option<u32>,
     /// Keep `timestep_type`'s distribution within [`min_timestep`, `max_timestep`] by drawing
     /// again until a timestep falls inside (musubi-tuner's `--preserve_distribution_shape`);
     /// false: the draw in [0, 1] is scaled into the range.
@@ -731,6 +743,10 @@ pub struct ModelPlan {
     pub vram_budget_bytes: Option<u64>,
     /// Device buffers in the prefetch ring (≥ 2).
     pub ring_slots: usize,
+    /// The low-noise expert of a two-expert model (`model.transformer_2`): its transformer as a
+    /// model source of the kind of `source` (for files, `source`'s files with another
+    /// `transformer`; `tiny` and `random:` build one with weights of its own).
+    pub transformer_2: Option<ModelSource>,
 }
 
 /// The optimizer.
@@ -898,6 +914,9 @@ pub struct TrainSettings {
     pub timestep: TimestepSampling,
     /// Where σ is drawn.
     pub timestep_range: TimestepRange,
+    /// The σ from which a two-expert model's first expert denoises (`train.timestep_boundary`
+    /// / 1000); read only with `model.transformer_2`.
+    pub timestep_boundary: f64,
     /// Guidance value for guidance-distilled models.
     pub guidance_scale: f64,
     /// The DDPM objective's settings (families trained by flow matching ignore them).
@@ -1139,6 +1158,7 @@ impl TrainPlan {
                     .to_string(),
             );
         }
+        check_experts(&mut c, &yaml, train.as_ref());
         let network = network.map(|mut network| {
             if yaml.train.train_text_encoder && !yaml.network.include.is_empty() {
                 let pattern = format!("^({})\\.", TEXT_ENCODERS.join("|"));
@@ -1388,6 +1408,21 @@ fn check_model(
         }
         _ => model_files(c, arch, &resolve(&m.path), &overrides, resolve).map(ModelSource::Files),
     };
+    let transformer_2 = match (&m.transformer_2, &source) {
+        (None, _) => Some(None),
+        (Some(_), _) if arch != Arch::Wan => {
+            c.fail(
+                "model.transformer_2",
+                format!(
+                    "{} has one denoiser; a second expert belongs to Wan 2.2 A14B (arch wan)",
+                    arch.name()
+                ),
+            );
+            None
+        }
+        (Some(given), Some(source)) => second_expert(c, source, given, resolve).map(Some),
+        (Some(_), None) => None,
+    };
     let model_path = resolve(&m.path);
     let folder = match &m.tokenizers {
         Some(folder) => resolve(folder),
@@ -1455,7 +1490,51 @@ fn check_model(
         wire: wire?,
         vram_budget_bytes: budget?,
         ring_slots: slots?,
+        transformer_2: transformer_2?,
     })
+}
+
+/// `model.transformer_2` (`given`) as a model source of the kind of `source`.
+fn second_expert(
+    c: &mut Checker,
+    source: &ModelSource,
+    given: &Path,
+    resolve: &dyn Fn(&Path) -> PathBuf,
+) -> Option<ModelSource> {
+    let field = "model.transformer_2";
+    match source {
+        ModelSource::Tiny if given == Path::new("tiny") => Some(ModelSource::Tiny),
+        ModelSource::Random(shape) if given == Path::new(&format!("random:{shape}")) => {
+            Some(source.clone())
+        }
+        ModelSource::Files(files) => {
+            let path = resolve(given);
+            let in_pipeline = path.join("transformer_2");
+            let path = match in_pipeline.join("config.json").is_file() {
+                true => in_pipeline,
+                false => path,
+            };
+            if !path.exists() {
+                c.fail(field, format!("{} does not exist", path.display()));
+                return None;
+            }
+            Some(ModelSource::Files(files.clone().with("transformer", path)))
+        }
+        ModelSource::Tiny | ModelSource::Random(_) => {
+            let expected = match source {
+                ModelSource::Random(shape) => format!("random:{shape}"),
+                _ => "tiny".to_string(),
+            };
+            c.fail(
+                field,
+                format!(
+                    "`{}`: with model.path `{expected}`, the second expert is `{expected}` too",
+                    given.display()
+                ),
+            );
+            None
+        }
+    }
 }
 
 /// The component files of `arch`'s model whose `model.path` is `path` (a folder, or the
@@ -1623,6 +1702,12 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         other => other,
     };
     let timestep_range = check_timestep_range(c, t);
+    let boundary = c.require(
+        (1..1000).contains(&t.timestep_boundary.unwrap_or(875)),
+        t.timestep_boundary.unwrap_or(875),
+        "train.timestep_boundary",
+        "expected 1 to 999",
+    );
     let checkpointing = match (
         t.gradient_checkpointing,
         t.gradient_checkpointing_cpu_offload,
@@ -1665,6 +1750,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         train_text_encoder: text_encoder?,
         timestep,
         timestep_range: timestep_range?,
+        timestep_boundary: f64::from(boundary?) / 1000.0,
         guidance_scale: guidance?,
         ddpm: ddpm?,
         max_nan_steps: max_nan?,
@@ -1673,6 +1759,43 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
 }
 
 /// The DDPM settings; an error for each one given to a family trained by flow matching.
+/// What `model.transformer_2` asks of the train section: a boundary within the timesteps
+/// trained, so that each expert trains, and a σ sampling that does not depend on the image
+/// (the expert is chosen before the batch's images are read); `train.timestep_boundary` is an
+/// error without a second expert.
+fn check_experts(c: &mut Checker, yaml: &TrainYaml, train: Option<&TrainSettings>) {
+    let field = "train.timestep_boundary";
+    if yaml.model.transformer_2.is_none() {
+        if yaml.train.timestep_boundary.is_some() {
+            c.fail(
+                field,
+                "only with a second expert in model.transformer_2".to_string(),
+            );
+        }
+        return;
+    }
+    let Some(train) = train else { return };
+    let (range, boundary) = (train.timestep_range, train.timestep_boundary);
+    if !(range.min < boundary && boundary < range.max) {
+        c.fail(
+            field,
+            format!(
+                "{}: outside the timesteps trained ({} to {}), one expert would never train",
+                (boundary * 1000.0).round(),
+                (range.min * 1000.0).round(),
+                (range.max * 1000.0).round()
+            ),
+        );
+    }
+    if train.timestep == TimestepSampling::ResolutionShift {
+        c.fail(
+            "train.timestep_type",
+            "flux2_shift depends on the image size, which the choice of expert cannot know;              with model.transformer_2 choose uniform, sigmoid or shift"
+                .to_string(),
+        );
+    }
+}
+
 /// `train.min_timestep` … `max_timestep` as a part of σ's [0, 1].
 fn check_timestep_range(c: &mut Checker, t: &TrainSectionYaml) -> Option<TimestepRange> {
     // Timesteps count to 1000 in every family, as in the trainers' options.
@@ -2049,6 +2172,98 @@ mod tests {
         let error = TrainPlan::load(&write(dir.path(), &empty)).unwrap_err();
         assert_eq!(error.problems[0].field, "train.max_timestep", "{error}");
         assert!(error.problems[0].message.contains("more than"), "{error}");
+    }
+
+    #[test]
+    fn a_second_expert_is_of_model_paths_kind_and_its_boundary_within_the_timesteps() {
+        let dir = tempfile::tempdir().unwrap();
+        let wan = |model: &str, train: &str| {
+            let yaml = format!(
+                "name: run\nnetwork: {{linear: 16}}\nmodel: {{arch: wan, {model}}}\n\
+                 train: {{{train}}}\ndatasets:\n  - folder_path: images\n"
+            );
+            TrainPlan::load(&write(dir.path(), &yaml))
+        };
+        let fields = |error: ConfigError| -> Vec<String> {
+            error.problems.into_iter().map(|p| p.field).collect()
+        };
+        let plan = wan("path: tiny, transformer_2: tiny", "").unwrap();
+        assert_eq!(plan.model.transformer_2, Some(ModelSource::Tiny));
+        assert_eq!(plan.train.timestep_boundary, 0.875);
+        // Absent, the new keys stay out of the JSON, so older fingerprints hold.
+        let one = wan("path: tiny", "").unwrap();
+        assert!(
+            !one.to_json().contains("transformer_2"),
+            "{}",
+            one.to_json()
+        );
+        assert!(!one.to_json().contains("boundary"), "{}", one.to_json());
+        let random = "path: 'random:wan2.1-14b', transformer_2: 'random:wan2.1-14b'";
+        assert_eq!(
+            wan(random, "timestep_boundary: 900")
+                .unwrap()
+                .train
+                .timestep_boundary,
+            0.9
+        );
+
+        // A pipeline folder's second expert is its transformer_2/.
+        let pipeline = dir.path().join("a14b");
+        for sub in ["transformer_2", "tokenizer"] {
+            std::fs::create_dir_all(pipeline.join(sub)).unwrap();
+        }
+        std::fs::write(pipeline.join("transformer_2/config.json"), "{}").unwrap();
+        let folder = pipeline.display();
+        let plan = wan(&format!("path: {folder}, transformer_2: {folder}"), "").unwrap();
+        let Some(ModelSource::Files(files)) = plan.model.transformer_2 else {
+            panic!("files expected");
+        };
+        assert_eq!(files.get("transformer"), pipeline.join("transformer_2"));
+        assert_eq!(files.get("vae"), pipeline);
+
+        let cases = [
+            (
+                "path: tiny, transformer_2: 'random:wan2.1-14b'",
+                "",
+                "model.transformer_2",
+            ),
+            (
+                "path: tiny, transformer_2: missing.safetensors",
+                "",
+                "model.transformer_2",
+            ),
+            (
+                "path: tiny",
+                "timestep_boundary: 875",
+                "train.timestep_boundary",
+            ),
+            (
+                "path: tiny, transformer_2: tiny",
+                "min_timestep: 900",
+                "train.timestep_boundary",
+            ),
+            (
+                "path: tiny, transformer_2: tiny",
+                "timestep_boundary: 1000",
+                "train.timestep_boundary",
+            ),
+            (
+                "path: tiny, transformer_2: tiny",
+                "timestep_type: flux2_shift",
+                "train.timestep_type",
+            ),
+        ];
+        for (model, train, field) in cases {
+            let error = wan(model, train).unwrap_err();
+            assert_eq!(fields(error), [field], "{model} / {train}");
+        }
+        let flux = MINIMAL.replace("path: tiny", "path: tiny, transformer_2: tiny");
+        let error = TrainPlan::load(&write(dir.path(), &flux)).unwrap_err();
+        assert_eq!(error.problems[0].field, "model.transformer_2", "{error}");
+        assert!(
+            error.problems[0].message.contains("one denoiser"),
+            "{error}"
+        );
     }
 
     #[test]

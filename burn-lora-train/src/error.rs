@@ -70,6 +70,17 @@ pub enum TrainError {
         /// `; ` (empty when every one is in force).
         advice: String,
     },
+    /// `model.transformer_2` is not a model of the same parameters as the transformer of
+    /// `model.path`.
+    #[error(
+        "{file}: `model.transformer_2` is not a second expert of model.path's shape: {message}"
+    )]
+    SecondExpert {
+        /// The configuration file.
+        file: PathBuf,
+        /// The first parameter that differs.
+        message: String,
+    },
     /// `--resume` was asked for but the run folder has no valid checkpoint.
     #[error("{dir}: no checkpoint to resume from")]
     NothingToResume {

@@ -2,6 +2,7 @@
 //! caches of latents and text embeddings, the training loop, checkpoints with exact resume,
 //! and the logs, loss curve and progress bar around it.
 //!
+//! - [`experts`]: two experts that train one LoRA by turns (Wan 2.2 A14B).
 //! - [`family`]: the model-family seam: what a family (FLUX.1 today) provides the trainer.
 //! - [`cache`]: the family's image and caption encodings, computed once and cached beside the
 //!   images.
@@ -21,6 +22,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod dataset;
 mod error;
+pub mod experts;
 pub mod family;
 mod models;
 pub use family::lora_names;

@@ -44,6 +44,7 @@ use crate::config::{GradientPlacement, OptimizerState, TrainPlan};
 use crate::dataset::{DataPosition, Dataset};
 pub use crate::error::TrainError;
 use crate::error::gb;
+use crate::experts::{self, Expert, Experts};
 use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, Sdxl, TrainBackend, Wan};
 use crate::models;
 use crate::optim::{AdamWConfig, LrSchedule, PlacedAdamW};
@@ -74,6 +75,9 @@ pub struct TrainSummary {
     /// after a later step needed more. `None` where nothing was measured (no budget, a budget
     /// of 0, a device that reports no memory) or no step ran.
     pub memory: Option<MemoryPlan>,
+    /// The expert each micro-batch of this run trained, with a second expert
+    /// (`model.transformer_2`); empty otherwise.
+    pub experts: Vec<Expert>,
 }
 
 /// Trains the adapters of `plan` on `device` (the loop of `burnlora train`): creates or resumes
@@ -176,6 +180,23 @@ where
         flux = stream.stream_frozen(flux)?;
         TrainBackend::<B>::memory_cleanup(device);
     }
+    let mut experts = match experts::second_plan(plan) {
+        Some(second_plan) => {
+            let mut second = family.load::<B>(&second_plan, device, stream.as_ref())?;
+            if let Some(stream) = &stream {
+                second = stream.stream_frozen(second)?;
+                TrainBackend::<B>::memory_cleanup(device);
+            }
+            tracing::info!(
+                "two experts train the adapters by turns: {} from timestep {:.0}, {} below",
+                Expert::HighNoise.name(),
+                plan.train.timestep_boundary * 1000.0,
+                Expert::LowNoise.name()
+            );
+            Some(Experts::new(&flux, second, plan)?)
+        }
+        None => None,
+    };
     tracing::info!(
         "denoiser ready in {:.1} s{}",
         start.elapsed().as_secs_f64(),
@@ -235,6 +256,7 @@ where
         losses: Vec::new(),
         lora: None,
         memory: None,
+        experts: Vec::new(),
     };
     let mut non_finite = 0;
     while step < plan.train.steps {
@@ -251,6 +273,14 @@ where
             if let Some(stream) = &stream {
                 stream.begin_step();
             }
+            let mut micro_plan = plan;
+            if let Some(experts) = &mut experts {
+                let expert = experts.choose(plan, &mut rng);
+                flux = experts.activate(flux, expert);
+                micro_plan = experts.plan(expert);
+                summary.experts.push(expert);
+                tracing::debug!("step {}: the {}", step + 1, expert.name());
+            }
             if let Some(sink) = &sink {
                 flux = sink.attach(flux);
             }
@@ -266,7 +296,8 @@ where
                     },
                 })
                 .collect();
-            let (loss, grads) = family.loss::<Offload<B>>(plan, &flux, &samples, &mut rng, device);
+            let (loss, grads) =
+                family.loss::<Offload<B>>(micro_plan, &flux, &samples, &mut rng, device);
             if let Some(stream) = &stream {
                 let stats = stream.end_step();
                 if let Some(measured) = &mut measured {

@@ -314,6 +314,7 @@ fn the_example_configurations_validate() {
         "sdxl/config.yaml",
         "wan/config.yaml",
         "wan/config_1.3b.yaml",
+        "wan/config_a14b.yaml",
     ] {
         let error = load(&examples.join(recipe), &[]).unwrap_err();
         let fields: Vec<&str> = error.problems.iter().map(|p| p.field.as_str()).collect();

@@ -81,6 +81,9 @@ struct Counters {
     bytes_uploaded: u64,
     upload: Duration,
     wait: Duration,
+    fences: Duration,
+    memory_reads: Duration,
+    views: Duration,
     peak_device_bytes: Option<u64>,
     peak_beyond_weights: Option<u64>,
 }
@@ -256,7 +259,10 @@ impl<B: StreamTarget> State<B> {
 
     /// Records the memory in use now in the step's peaks.
     fn sample_memory(&mut self, device: &B::Device, uploading: u64) {
-        if let Some((in_use, beyond)) = self.memory(device, uploading) {
+        let started = Instant::now();
+        let memory = self.memory(device, uploading);
+        self.counters.memory_reads += started.elapsed();
+        if let Some((in_use, beyond)) = memory {
             let c = &mut self.counters;
             let peak = c.peak_device_bytes.get_or_insert(0);
             *peak = (*peak).max(in_use);
@@ -584,6 +590,9 @@ impl<B: StreamTarget> Engine<B> {
             bytes_uploaded: c.bytes_uploaded,
             upload_seconds: c.upload.as_secs_f64(),
             wait_seconds: c.wait.as_secs_f64(),
+            fence_seconds: c.fences.as_secs_f64(),
+            memory_read_seconds: c.memory_reads.as_secs_f64(),
+            view_seconds: c.views.as_secs_f64(),
             step_seconds: st
                 .step_started
                 .take()
@@ -605,6 +614,9 @@ impl<B: StreamTarget> Engine<B> {
             uploaded_mb = stats.bytes_uploaded / 1_000_000,
             upload_gbps = stats.upload_gbps(),
             wait_s = stats.wait_seconds,
+            fence_s = stats.fence_seconds,
+            memory_read_s = stats.memory_read_seconds,
+            view_s = stats.view_seconds,
             resident_mb = stats.resident_bytes / 1_000_000,
             ring_mb = stats.ring_bytes / 1_000_000,
             peak_mb = stats.peak_device_bytes.map(|b| b / 1_000_000),
@@ -741,9 +753,12 @@ impl<B: StreamTarget> Engine<B> {
                 };
                 let lease = SlotLease { engine: self, slot };
                 let view = {
-                    let st = self.lock();
+                    let mut st = self.lock();
+                    let started = Instant::now();
                     let ring = st.ring.as_ref().expect("ring of a leased slot");
-                    B::view(&ring.memory, slot, weight, &self.device)
+                    let view = B::view(&ring.memory, slot, weight, &self.device);
+                    st.counters.views += started.elapsed();
+                    view
                 };
                 if !keep {
                     let out = op(view);
@@ -845,8 +860,11 @@ impl<B: StreamTarget> Engine<B> {
     }
 
     fn release(&self, slot: usize) {
+        let started = Instant::now();
         let fence = B::fence(&self.device);
+        let fenced = started.elapsed();
         let mut st = self.lock();
+        st.counters.fences += fenced;
         let poison = st.config.poison_released_slots;
         let order = st.releases;
         st.releases += 1;

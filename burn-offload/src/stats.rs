@@ -36,6 +36,15 @@ pub struct StepStats {
     /// is host time: the device usually still has queued work then, so a host wait is not device
     /// idle time. The exposed transfer shows in the step time against a resident run.
     pub wait_seconds: f64,
+    /// Seconds the compute thread spent taking the fences that free ring slots (on CUDA, a
+    /// round trip to CubeCL's device thread each).
+    pub fence_seconds: f64,
+    /// Seconds spent reading the device memory in use (at every weight use and both ends of
+    /// the step).
+    pub memory_read_seconds: f64,
+    /// Seconds the compute thread spent making the tensors that read ring slots (an FP8
+    /// weight's decode is queued there).
+    pub view_seconds: f64,
     /// Seconds from `begin_step` to `end_step`.
     pub step_seconds: f64,
     /// Bytes of the weights kept resident.

@@ -135,6 +135,52 @@ fn with_room_for_everything_weights_are_uploaded_once() {
     }
 }
 
+/// Output and input gradient of a frozen 3x3 convolution (its weights from `seed`), as bits.
+fn conv_step<B: burn::tensor::backend::AutodiffBackend>(
+    conv: &burn::nn::conv::Conv2d<B>,
+    device: &B::Device,
+) -> (Vec<u32>, Vec<u32>) {
+    let values = common::values(11, 2 * 3 * 8 * 8, 1.0);
+    let x = Tensor::<B, 1>::from_floats(values.as_slice(), device)
+        .reshape([2, 3, 8, 8])
+        .require_grad();
+    let y = conv.forward(x.clone());
+    let grads = y.clone().powi_scalar(2).sum().backward();
+    let dx = x.grad(&grads).unwrap();
+    (bits(y.into_data()), bits(dx.into_data()))
+}
+
+fn conv<B: Backend>(device: &B::Device) -> burn::nn::conv::Conv2d<B> {
+    B::seed(device, 5);
+    burn::nn::conv::Conv2dConfig::new([3, 8], [3, 3])
+        .with_padding(burn::nn::PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init(device)
+        .no_grad()
+}
+
+#[test]
+fn a_convolutions_weight_streams_through_the_ring_both_ways() {
+    let device = Default::default();
+    let expected = conv_step(&conv::<Autodiff<Flex>>(&device), &device);
+    let stream = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let model = stream.stream_frozen(conv::<A>(&device)).unwrap();
+    let mut stats = Vec::new();
+    for _ in 0..3 {
+        stream.begin_step();
+        assert_eq!(conv_step(&model, &device), expected);
+        stats.push(stream.end_step());
+    }
+    // The forward and the input gradient each use the weight; nothing is materialized.
+    assert_eq!(stats[0].schedule, ScheduleOutcome::Recorded { uses: 2 });
+    for s in &stats {
+        assert_eq!((s.weight_uses, s.materialized), (2, 0), "{s:?}");
+    }
+    for s in &stats[1..] {
+        assert_eq!(s.schedule, ScheduleOutcome::Replayed { uses: 2 });
+        assert_eq!(s.on_demand, 0, "{s:?}");
+    }
+}
+
 #[test]
 fn a_weight_met_outside_the_linear_ops_is_materialized() {
     let device = Default::default();

@@ -1,7 +1,7 @@
-//! `ModuleOps`: the linear ops stream their weight; the linear ops and the convolution's
-//! forward go through burn-kernels' `products` (the vendor BLAS and DNN library); everything
-//! else is forwarded to the inner backend (a streamed weight met there, e.g. by a convolution,
-//! is materialized).
+//! `ModuleOps`: the linear ops and the 2-D convolution (forward and input gradient) stream
+//! their weight; they go through burn-kernels' `products` (the vendor BLAS and DNN library);
+//! everything else is forwarded to the inner backend (a streamed weight met there is
+//! materialized).
 
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{
@@ -96,13 +96,25 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        lift(products::conv2d::<B>(
-            lower(x),
-            lower(weight),
-            lower_opt(bias),
-            options,
-            &KernelOptions::current(),
-        ))
+        let kernel_options = KernelOptions::current();
+        let (x, bias) = (lower(x), lower_opt(bias));
+        let Some(streamed) = weight.as_streamed() else {
+            return lift(products::conv2d::<B>(
+                x,
+                lower(weight),
+                bias,
+                options,
+                &kernel_options,
+            ));
+        };
+        let flops = conv2d_flops(&x.shape().dims::<4>(), &streamed.weight.shape, &options);
+        lift(
+            streamed
+                .engine
+                .with_weight(&streamed.weight, flops, P::depth, |w| {
+                    products::conv2d::<B>(x, w, bias, options, &kernel_options)
+                }),
+        )
     }
 
     fn conv2d_x_backward(
@@ -111,7 +123,26 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        conv2d_backward::<B>(x, weight, output_grad, options, ConvGrad::Input)
+        let Some(streamed) = weight.as_streamed() else {
+            return conv2d_backward::<B>(x, weight, output_grad, options, ConvGrad::Input);
+        };
+        let kernel_options = KernelOptions::current();
+        let flops = conv2d_flops(&x.shape().dims::<4>(), &streamed.weight.shape, &options);
+        let (x, grad) = (lower(x), lower(output_grad));
+        lift(
+            streamed
+                .engine
+                .with_weight(&streamed.weight, flops, P::depth, |w| {
+                    products::conv2d_backward::<B>(
+                        x,
+                        w,
+                        grad,
+                        options,
+                        ConvGrad::Input,
+                        &kernel_options,
+                    )
+                }),
+        )
     }
 
     fn conv2d_weight_backward(
@@ -430,6 +461,18 @@ impl<B: StreamTarget, P: PrefetchPolicy> ModuleOps<Self> for Offload<B, P> {
             keep n: Option<usize>,
         ) -> FloatTensor<Self>;
     }
+}
+
+/// FLOP of a 2-D convolution of an input of shape `x` (`[n, c, h, w]`) with a weight of shape
+/// `weight` (`[c_out, c / groups, kh, kw]`) under `options`: each output element meets one
+/// kernel window of its group's input channels (its input gradient costs the same).
+fn conv2d_flops(x: &[usize], weight: &[usize], options: &ConvOptions<2>) -> f64 {
+    let out = |size: usize, axis: usize| {
+        let reach = options.dilation[axis] * (weight[2 + axis] - 1) + 1;
+        (size + 2 * options.padding[axis]).saturating_sub(reach) / options.stride[axis] + 1
+    };
+    let outputs = x[0] * weight[0] * out(x[2], 0) * out(x[3], 1);
+    2.0 * outputs as f64 * (weight[1] * weight[2] * weight[3]) as f64
 }
 
 /// `wanted` of a convolution's gradients on the inner backend ([`products::conv2d_backward`]).

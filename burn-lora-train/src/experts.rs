@@ -66,37 +66,27 @@ impl<B: Backend> Experts<B> {
     /// `second`'s frozen parameters, parked beside `model`, which holds the high-noise expert;
     /// an error naming `model.transformer_2` unless both have the same frozen parameters.
     pub fn new<M: Module<B>>(model: &M, second: M, plan: &TrainPlan) -> Result<Self, TrainError> {
-        let mut parked = Park {
-            path: Vec::new(),
-            parked: BTreeMap::new(),
-        };
-        second.visit(&mut parked);
-        let mut frozen = Frozen {
-            path: Vec::new(),
-            dims: BTreeMap::new(),
-            trainable: Vec::new(),
-        };
-        model.visit(&mut frozen);
+        let (frozen, trainable) = Collect::split(model);
+        let (mut parked, _) = Collect::split(&second);
         // The second expert's own adapters, if its type has any, are not the ones trained.
-        let mut parked = parked.parked;
-        parked.retain(|name, _| !frozen.trainable.contains(name));
+        parked.retain(|name, _| !trainable.contains(name));
         let differs = |message: String| TrainError::SecondExpert {
             file: plan.file.clone(),
             message,
         };
-        for (name, dims) in &frozen.dims {
+        for (name, ours) in &frozen {
             match parked.get(name) {
                 None => return Err(differs(format!("it has no `{name}`"))),
-                Some(p) if &p.dims != dims => {
+                Some(p) if p.dims != ours.dims => {
                     return Err(differs(format!(
-                        "`{name}` is {:?} there but {dims:?} in model.path's",
-                        p.dims
+                        "`{name}` is {:?} there but {:?} in model.path's",
+                        p.dims, ours.dims
                     )));
                 }
                 Some(_) => {}
             }
         }
-        if let Some(name) = parked.keys().find(|k| !frozen.dims.contains_key(*k)) {
+        if let Some(name) = parked.keys().find(|k| !frozen.contains_key(*k)) {
             return Err(differs(format!("model.path's has no `{name}`")));
         }
         let range = plan.train.timestep_range;
@@ -154,39 +144,27 @@ impl<B: Backend> Experts<B> {
     }
 }
 
-/// Takes every float parameter of a module, by path.
-struct Park<B: Backend> {
+/// A module's float parameters by path: the frozen ones with their tensors, and the paths of
+/// the trainable ones.
+struct Collect<B: Backend> {
     path: Vec<String>,
-    parked: BTreeMap<String, Parked<B>>,
-}
-
-impl<B: Backend> ModuleVisitor<B> for Park<B> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let tensor = param.val();
-        let parked = Parked {
-            dims: tensor.dims().to_vec(),
-            tensor: tensor.into_primitive(),
-        };
-        self.parked.insert(self.path.join("."), parked);
-    }
-}
-
-/// The shapes of a module's frozen float parameters, by path, and the paths of the others.
-struct Frozen {
-    path: Vec<String>,
-    dims: BTreeMap<String, Vec<usize>>,
+    frozen: BTreeMap<String, Parked<B>>,
     trainable: Vec<String>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Frozen {
+impl<B: Backend> Collect<B> {
+    fn split<M: Module<B>>(module: &M) -> (BTreeMap<String, Parked<B>>, Vec<String>) {
+        let mut collect = Self {
+            path: Vec::new(),
+            frozen: BTreeMap::new(),
+            trainable: Vec::new(),
+        };
+        module.visit(&mut collect);
+        (collect.frozen, collect.trainable)
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Collect<B> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -198,12 +176,15 @@ impl<B: Backend> ModuleVisitor<B> for Frozen {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
         let name = self.path.join(".");
-        match tensor.is_require_grad() {
-            true => self.trainable.push(name),
-            false => {
-                self.dims.insert(name, tensor.dims().to_vec());
-            }
+        if tensor.is_require_grad() {
+            self.trainable.push(name);
+            return;
         }
+        let parked = Parked {
+            dims: tensor.dims().to_vec(),
+            tensor: tensor.into_primitive(),
+        };
+        self.frozen.insert(name, parked);
     }
 }
 

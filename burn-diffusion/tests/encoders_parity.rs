@@ -17,6 +17,11 @@ use burn_quant::Checkpoint;
 
 type B = Flex;
 
+/// CLIP from the fixture folder `name`, in f32 on the CPU.
+fn load_clip(name: &str) -> Result<ClipTextModel<B>, burn_diffusion::LoadError> {
+    ClipTextModel::<B>::load(&fixture(name), &Default::default(), FloatDType::F32, None)
+}
+
 mod common;
 
 use common::{BF16_TOLERANCE, F32_TOLERANCE, assert_within, read};
@@ -78,13 +83,7 @@ fn vae_diffusers_folder_matches_diffusers() {
 #[test]
 fn clip_matches_transformers_with_every_hidden_state() {
     let expected = fixture("flux_text/expected.safetensors");
-    let model = ClipTextModel::<B>::load(
-        &fixture("flux_text"),
-        &Default::default(),
-        FloatDType::F32,
-        None,
-    )
-    .unwrap();
+    let model = load_clip("flux_text").unwrap();
     let out = model.forward(read_ids(&expected, "clip_input_ids"));
     assert_matches(
         out.last_hidden_state.into_data(),
@@ -102,13 +101,7 @@ fn clip_matches_transformers_with_every_hidden_state() {
 #[test]
 fn clip_with_projection_matches_transformers() {
     let io = fixture("clip_projection/io.safetensors");
-    let model = ClipTextModel::<B>::load(
-        &fixture("clip_projection"),
-        &Default::default(),
-        FloatDType::F32,
-        None,
-    )
-    .unwrap();
+    let model = load_clip("clip_projection").unwrap();
     let out = model.forward(read_ids(&io, "input_ids"));
     assert_matches(out.text_embeds.unwrap().into_data(), &io, "text_embeds");
     assert_matches(out.last_hidden_state.into_data(), &io, "last_hidden_state");
@@ -188,15 +181,7 @@ fn wrong_files_are_refused_by_name() {
         error.contains("encoder.embed_tokens.weight` is missing"),
         "{error}"
     );
-    let error = ClipTextModel::<B>::load(
-        &fixture("images"),
-        &Default::default(),
-        FloatDType::F32,
-        None,
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let error = load_clip("images").err().unwrap().to_string();
     assert!(error.contains("fixtures/images"), "{error}");
 }
 

@@ -1758,11 +1758,10 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
     })
 }
 
-/// The DDPM settings; an error for each one given to a family trained by flow matching.
 /// What `model.transformer_2` asks of the train section: a boundary within the timesteps
 /// trained, so that each expert trains, and a σ sampling that does not depend on the image
-/// (the expert is chosen before the batch's images are read); `train.timestep_boundary` is an
-/// error without a second expert.
+/// size (the trainer chooses the expert before the family reads the batch);
+/// `train.timestep_boundary` is an error without a second expert.
 fn check_experts(c: &mut Checker, yaml: &TrainYaml, train: Option<&TrainSettings>) {
     let field = "train.timestep_boundary";
     if yaml.model.transformer_2.is_none() {
@@ -1790,7 +1789,8 @@ fn check_experts(c: &mut Checker, yaml: &TrainYaml, train: Option<&TrainSettings
     if train.timestep == TimestepSampling::ResolutionShift {
         c.fail(
             "train.timestep_type",
-            "flux2_shift depends on the image size, which the choice of expert cannot know;              with model.transformer_2 choose uniform, sigmoid or shift"
+            "flux2_shift depends on the image size, which the choice of expert cannot know; \
+             with model.transformer_2 choose uniform, sigmoid or shift"
                 .to_string(),
         );
     }
@@ -1828,6 +1828,7 @@ fn check_timestep_range(c: &mut Checker, t: &TrainSectionYaml) -> Option<Timeste
     })
 }
 
+/// The DDPM settings; an error for each one given to a family trained by flow matching.
 fn check_ddpm(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<DdpmSettings> {
     if arch.objective() != Objective::Ddpm {
         let given = [

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::config::{TimestepRange, TrainPlan};
 use crate::error::TrainError;
@@ -48,15 +48,10 @@ impl Expert {
     }
 }
 
-/// A frozen parameter waiting outside the model: its shape and its tensor.
-struct Parked<B: Backend> {
-    dims: Vec<usize>,
-    tensor: TensorPrimitive<B>,
-}
-
 /// The expert not in the model, and the plans each expert's micro-batches run with.
 pub struct Experts<B: Backend> {
-    parked: BTreeMap<String, Parked<B>>,
+    /// The frozen parameters of the expert not in the model, by path.
+    parked: BTreeMap<String, TensorPrimitive<B>>,
     active: Expert,
     high: TrainPlan,
     low: TrainPlan,
@@ -75,15 +70,16 @@ impl<B: Backend> Experts<B> {
             message,
         };
         for (name, ours) in &frozen {
-            match parked.get(name) {
-                None => return Err(differs(format!("it has no `{name}`"))),
-                Some(p) if p.dims != ours.dims => {
-                    return Err(differs(format!(
-                        "`{name}` is {:?} there but {:?} in model.path's",
-                        p.dims, ours.dims
-                    )));
-                }
-                Some(_) => {}
+            let Some(theirs) = parked.get(name) else {
+                return Err(differs(format!("it has no `{name}`")));
+            };
+            let (theirs, ours) = (theirs.shape(), ours.shape());
+            if theirs != ours {
+                return Err(differs(format!(
+                    "`{name}` is {:?} there but {:?} in model.path's",
+                    theirs.as_slice(),
+                    ours.as_slice()
+                )));
             }
         }
         if let Some(name) = parked.keys().find(|k| !frozen.contains_key(*k)) {
@@ -148,12 +144,12 @@ impl<B: Backend> Experts<B> {
 /// the trainable ones.
 struct Collect<B: Backend> {
     path: Vec<String>,
-    frozen: BTreeMap<String, Parked<B>>,
+    frozen: BTreeMap<String, TensorPrimitive<B>>,
     trainable: Vec<String>,
 }
 
 impl<B: Backend> Collect<B> {
-    fn split<M: Module<B>>(module: &M) -> (BTreeMap<String, Parked<B>>, Vec<String>) {
+    fn split<M: Module<B>>(module: &M) -> (BTreeMap<String, TensorPrimitive<B>>, Vec<String>) {
         let mut collect = Self {
             path: Vec::new(),
             frozen: BTreeMap::new(),
@@ -180,18 +176,14 @@ impl<B: Backend> ModuleVisitor<B> for Collect<B> {
             self.trainable.push(name);
             return;
         }
-        let parked = Parked {
-            dims: tensor.dims().to_vec(),
-            tensor: tensor.into_primitive(),
-        };
-        self.frozen.insert(name, parked);
+        self.frozen.insert(name, tensor.into_primitive());
     }
 }
 
 /// Exchanges a module's frozen float parameters with the parked ones of the same paths.
 struct Swap<'a, B: Backend> {
     path: Vec<String>,
-    parked: &'a mut BTreeMap<String, Parked<B>>,
+    parked: &'a mut BTreeMap<String, TensorPrimitive<B>>,
 }
 
 impl<B: Backend> ModuleMapper<B> for Swap<'_, B> {
@@ -213,15 +205,8 @@ impl<B: Backend> ModuleMapper<B> for Swap<'_, B> {
             .parked
             .remove(&name)
             .unwrap_or_else(|| panic!("no parked `{name}`: the experts were checked alike"));
-        let dims = tensor.dims().to_vec();
-        self.parked.insert(
-            name,
-            Parked {
-                dims,
-                tensor: tensor.into_primitive(),
-            },
-        );
-        Param::from_mapped_value(id, Tensor::from_primitive(other.tensor), mapper)
+        self.parked.insert(name, tensor.into_primitive());
+        Param::from_mapped_value(id, Tensor::from_primitive(other), mapper)
     }
 }
 

@@ -193,9 +193,10 @@ impl Schedule {
                 if pos == order.keys.len() {
                     return ScheduleOutcome::Replayed { uses: pos };
                 }
-                *order = order.truncated(pos);
-                if pos == 0 {
-                    self.remove(self.current);
+                // A step without uses leaves nothing to replay.
+                match pos {
+                    0 => self.remove(self.current),
+                    _ => *order = order.truncated(pos),
                 }
                 ScheduleOutcome::Diverged { at: pos, uses: pos }
             }

@@ -1,15 +1,21 @@
 //! The mechanism: one engine per device owns the ring, the loader thread, the resident copies
 //! and the step statistics, and executes what the policy decides.
 //!
-//! A slot goes `Free -> Filling -> Ready -> InUse -> Fenced -> Free`. The loader thread fills
-//! slots for the uses the replayed schedule announces, up to the prefetch depth ahead of the
-//! compute; the compute thread takes a `Ready` slot, runs its op on a view of it and releases it
-//! with a fence taken after the op, or, when the policy's [`Retention`] says the weight is used
-//! again soon, first copies it into a tensor of its own that the next use takes without a
-//! transfer. A `Fenced` slot is refilled (and, in the debug mode, poisoned
-//! first) only after its fence has passed, so no op ever reads a slot that was reused. When the
-//! order of uses changes, the prefetched slots are dropped (a generation counter invalidates
-//! fills in flight) and the compute thread fetches on demand for the rest of the step.
+//! A slot goes `Free -> Filling -> Ready -> InUse -> Released -> Fenced -> Free`. The loader
+//! thread fills slots for the uses the replayed schedule announces, up to the prefetch depth
+//! ahead of the compute; the compute thread takes a `Ready` slot, runs its op on a view of it
+//! and releases it, or, when the policy's [`Retention`] says the weight is used again soon,
+//! first copies it into a tensor of its own that the next use takes without a transfer. A
+//! fence after the ops that read released slots is taken by the compute thread (fences follow
+//! the work of the thread that takes them) once half the ring is released, or at once when the
+//! loader has found no slot to fill: one fence frees every slot released before it. A loader
+//! that keeps up waits for slots and gets a fence at each release, as soon as the op that read
+//! the slot was submitted; one that falls behind (many small weights) lets releases gather,
+//! and the compute saves a round trip to the device for each. A `Fenced` slot is refilled
+//! (and, in the debug mode, poisoned first) only after its fence has passed, so no op ever
+//! reads a slot that was reused. When the order of uses changes, the prefetched slots are
+//! dropped (a generation counter invalidates fills in flight) and the compute thread fetches
+//! on demand for the rest of the step.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -39,10 +45,14 @@ struct Shared<B: StreamTarget> {
 
 enum Slot<F> {
     Free,
-    /// Released after an op that read it; reusable once `fence` has passed. `order` counts
-    /// releases, so the oldest is reused first.
+    /// Released after an op that read it, before a fence was taken after that op. `order`
+    /// counts releases, so the oldest is reused first.
+    Released {
+        order: u64,
+    },
+    /// Released, and reusable once `fence` has passed.
     Fenced {
-        fence: F,
+        fence: Arc<SharedFence<F>>,
         order: u64,
     },
     /// Being filled, for replay use `use_index` (the loader) or on demand (`None`).
@@ -55,6 +65,20 @@ enum Slot<F> {
     InUse,
 }
 
+/// One fence shared by the slots released before it: the first to wait for it waits, the
+/// others find it passed.
+struct SharedFence<F>(Mutex<Option<F>>);
+
+impl<F> SharedFence<F> {
+    /// Blocks until the fence has passed.
+    fn wait<B: StreamTarget<Fence = F>>(&self) {
+        let mut fence = self.0.lock().unwrap();
+        if let Some(fence) = fence.take() {
+            B::wait(fence);
+        }
+    }
+}
+
 struct Ring<B: StreamTarget> {
     memory: Arc<B::Ring>,
     slots: Vec<Slot<B::Fence>>,
@@ -64,8 +88,20 @@ struct Ring<B: StreamTarget> {
 /// A slot claimed for filling: what must happen before the copy.
 struct Claim<B: StreamTarget> {
     slot: usize,
-    fence: Option<B::Fence>,
+    fence: Option<Arc<SharedFence<B::Fence>>>,
     memory: Arc<B::Ring>,
+}
+
+impl<B: StreamTarget> Claim<B> {
+    /// Waits until no op reads the slot, and poisons it if `poison`.
+    fn prepare(&self, poison: bool) {
+        if let Some(fence) = &self.fence {
+            fence.wait::<B>();
+        }
+        if poison {
+            B::poison(&self.memory, self.slot).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
 }
 
 #[derive(Default)]
@@ -81,7 +117,8 @@ struct Counters {
     bytes_uploaded: u64,
     upload: Duration,
     wait: Duration,
-    fences: Duration,
+    fences: u64,
+    fence_time: Duration,
     memory_reads: Duration,
     views: Duration,
     peak_device_bytes: Option<u64>,
@@ -119,6 +156,9 @@ struct State<B: StreamTarget> {
     /// Bumped to invalidate prefetched slots and fills in flight.
     generation: u64,
     releases: u64,
+    /// Set when a claim found no slot to fill: the compute thread fences its next release at
+    /// once (or, where slots are released already, at its next call).
+    fence_wanted: bool,
     counters: Counters,
     step_started: Option<Instant>,
     steps: u64,
@@ -180,7 +220,8 @@ impl<B: StreamTarget> State<B> {
         }
     }
 
-    /// Takes a free slot, or else the oldest fenced one, for filling.
+    /// Takes a free slot, or else the oldest fenced one, for filling. When there is none,
+    /// asks the compute thread for a fence.
     fn claim(&mut self, use_index: Option<usize>) -> Option<Claim<B>> {
         let ring = self.ring.as_mut()?;
         let index = ring
@@ -197,7 +238,12 @@ impl<B: StreamTarget> State<B> {
                     })
                     .min_by_key(|(_, order)| *order)
                     .map(|(i, _)| i)
-            })?;
+            });
+        let Some(index) = index else {
+            self.fence_wanted = true;
+            return None;
+        };
+        let ring = self.ring.as_mut().expect("ring");
         let fence = match std::mem::replace(&mut ring.slots[index], Slot::Filling { use_index }) {
             Slot::Fenced { fence, .. } => Some(fence),
             _ => None,
@@ -239,6 +285,16 @@ impl<B: StreamTarget> State<B> {
         self.ring.as_ref()?.slots.iter().position(pred)
     }
 
+    /// Slots released without a fence after them yet.
+    fn released(&self) -> usize {
+        self.ring.as_ref().map_or(0, |r| {
+            r.slots
+                .iter()
+                .filter(|s| matches!(s, Slot::Released { .. }))
+                .count()
+        })
+    }
+
     /// Device bytes the engine holds for weights now: resident copies, the ring, the copies
     /// kept between uses, and `uploading` (a weight uploaded into a tensor of its own, not yet
     /// counted elsewhere).
@@ -255,6 +311,21 @@ impl<B: StreamTarget> State<B> {
             None => B::memory_in_use(device),
         }?;
         Some((in_use, in_use.saturating_sub(weights)))
+    }
+
+    /// At a weight use: records the memory in use now in the step's peaks, at every use of a
+    /// step that records the schedule and at every [`MEMORY_SAMPLE_EVERY`]th use of one that
+    /// replays it. Within a step the device's count only grows (freed pages stay in the
+    /// allocator's pools), so a later sample sees what a skipped one would have.
+    fn sample_use_memory(&mut self, device: &B::Device, uploading: u64) {
+        if self.schedule.replaying().is_none()
+            || self
+                .counters
+                .weight_uses
+                .is_multiple_of(MEMORY_SAMPLE_EVERY)
+        {
+            self.sample_memory(device, uploading);
+        }
     }
 
     /// Records the memory in use now in the step's peaks.
@@ -383,6 +454,10 @@ impl<B: StreamTarget> State<B> {
 /// The retention of a step that replays nothing.
 static KEEP_NOTHING: Retention = Retention::NONE;
 
+/// While a step replays the schedule, the device memory in use is read at every this many
+/// weight uses (a driver call each on CUDA).
+const MEMORY_SAMPLE_EVERY: u64 = 16;
+
 /// The planner's limits for `config`.
 fn plan_limits(config: &OffloadConfig) -> PlanLimits {
     PlanLimits {
@@ -439,6 +514,7 @@ impl<B: StreamTarget> Engine<B> {
                     consumed: 0,
                     generation: 0,
                     releases: 0,
+                    fence_wanted: false,
                     counters: Counters::default(),
                     step_started: None,
                     steps: 0,
@@ -562,6 +638,11 @@ impl<B: StreamTarget> Engine<B> {
     /// Ends the step: replans after a recording, and returns (and logs) the step's statistics.
     pub fn end_step(&self) -> StepStats {
         let mut st = self.lock();
+        if st.released() > 0 {
+            // Frees the slots for the next step's first weights, which the loader may fill
+            // while the host does other work.
+            st = self.fence_released(st);
+        }
         let schedule = st.schedule.end_step();
         let dropped = if matches!(
             schedule,
@@ -590,7 +671,8 @@ impl<B: StreamTarget> Engine<B> {
             bytes_uploaded: c.bytes_uploaded,
             upload_seconds: c.upload.as_secs_f64(),
             wait_seconds: c.wait.as_secs_f64(),
-            fence_seconds: c.fences.as_secs_f64(),
+            fences: c.fences,
+            fence_seconds: c.fence_time.as_secs_f64(),
             memory_read_seconds: c.memory_reads.as_secs_f64(),
             view_seconds: c.views.as_secs_f64(),
             step_seconds: st
@@ -614,6 +696,7 @@ impl<B: StreamTarget> Engine<B> {
             uploaded_mb = stats.bytes_uploaded / 1_000_000,
             upload_gbps = stats.upload_gbps(),
             wait_s = stats.wait_seconds,
+            fences = stats.fences,
             fence_s = stats.fence_seconds,
             memory_read_s = stats.memory_read_seconds,
             view_s = stats.view_seconds,
@@ -677,6 +760,9 @@ impl<B: StreamTarget> Engine<B> {
         op: impl FnOnce(FloatTensor<B>) -> R,
     ) -> R {
         let mut st = self.lock();
+        if st.fence_wanted && st.released() > 0 {
+            st = self.fence_released(st);
+        }
         let depth = depth(st.config.ring_slots);
         st.depth = depth;
         st.counters.weight_uses += 1;
@@ -708,7 +794,7 @@ impl<B: StreamTarget> Engine<B> {
                     Some((t, _)) => {
                         let t = t.clone();
                         st.counters.resident_hits += 1;
-                        st.sample_memory(&self.device, 0);
+                        st.sample_use_memory(&self.device, 0);
                         t
                     }
                     None => {
@@ -724,7 +810,7 @@ impl<B: StreamTarget> Engine<B> {
             }
             Route::Direct => {
                 st.counters.direct += 1;
-                st.sample_memory(&self.device, 0);
+                st.sample_use_memory(&self.device, 0);
                 drop(st);
                 op(self.upload(weight))
             }
@@ -738,7 +824,7 @@ impl<B: StreamTarget> Engine<B> {
                 {
                     st.consumed = index + 1;
                     st.counters.kept += 1;
-                    st.sample_memory(&self.device, 0);
+                    st.sample_use_memory(&self.device, 0);
                     drop(st);
                     self.shared.changed.notify_all();
                     return op(tensor);
@@ -770,7 +856,7 @@ impl<B: StreamTarget> Engine<B> {
                 drop(lease);
                 let mut st = self.lock();
                 st.keep_copy(weight.id, tensor.clone(), weight.device_bytes() as u64);
-                st.sample_memory(&self.device, 0);
+                st.sample_use_memory(&self.device, 0);
                 drop(st);
                 op(tensor)
             }
@@ -778,9 +864,9 @@ impl<B: StreamTarget> Engine<B> {
     }
 
     /// Waits for the slot the loader fills for replay use `index`.
-    fn take_prefetched(
-        &self,
-        mut st: MutexGuard<'_, State<B>>,
+    fn take_prefetched<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<B>>,
         weight: &Arc<HostWeight>,
         index: usize,
     ) -> Option<usize> {
@@ -800,6 +886,11 @@ impl<B: StreamTarget> Engine<B> {
             if !coming {
                 break None;
             }
+            if st.fence_wanted && st.released() > 0 {
+                // The loader waits for this thread's fence to fill the slot awaited here.
+                st = self.fence_released(st);
+                continue;
+            }
             st = self.shared.changed.wait(st).unwrap();
         };
         st.counters.wait += started.elapsed();
@@ -808,7 +899,7 @@ impl<B: StreamTarget> Engine<B> {
             Some(slot) => {
                 st.ring.as_mut().expect("ring").slots[slot] = Slot::InUse;
                 st.counters.prefetched += 1;
-                st.sample_memory(&self.device, 0);
+                st.sample_use_memory(&self.device, 0);
                 drop(st);
                 self.shared.changed.notify_all();
                 Some(slot)
@@ -819,9 +910,9 @@ impl<B: StreamTarget> Engine<B> {
 
     /// Fills a slot on the compute thread; `None` when no slot can become free (every slot is
     /// held by an op in progress), in which case the caller uploads directly.
-    fn fetch_on_demand(
-        &self,
-        mut st: MutexGuard<'_, State<B>>,
+    fn fetch_on_demand<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<B>>,
         weight: &Arc<HostWeight>,
     ) -> Option<usize> {
         let started = Instant::now();
@@ -834,18 +925,17 @@ impl<B: StreamTarget> Engine<B> {
                 st.cancel_prefetch();
                 continue;
             }
+            if st.released() > 0 {
+                st = self.fence_released(st);
+                continue;
+            }
             // Every slot is held by an op in progress: nothing will free one.
             st.slot_with(|s| matches!(s, Slot::Filling { .. }))?;
             st = self.shared.changed.wait(st).unwrap();
         };
         let poison = st.config.poison_released_slots;
         drop(st);
-        if let Some(fence) = claim.fence {
-            B::wait(fence);
-        }
-        if poison {
-            B::poison(&claim.memory, claim.slot).unwrap_or_else(|e| panic!("{e}"));
-        }
+        claim.prepare(poison);
         let copy = Instant::now();
         B::fill(&claim.memory, claim.slot, weight)
             .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
@@ -855,31 +945,63 @@ impl<B: StreamTarget> Engine<B> {
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
         st.counters.on_demand += 1;
         st.ring.as_mut().expect("ring").slots[claim.slot] = Slot::InUse;
-        st.sample_memory(&self.device, 0);
+        st.sample_use_memory(&self.device, 0);
         Some(claim.slot)
     }
 
+    /// Releases `slot` after the ops that read it were submitted; takes the fence that frees
+    /// the released slots once half the ring waits for one, or the loader does.
     fn release(&self, slot: usize) {
-        let started = Instant::now();
-        let fence = B::fence(&self.device);
-        let fenced = started.elapsed();
         let mut st = self.lock();
-        st.counters.fences += fenced;
-        let poison = st.config.poison_released_slots;
         let order = st.releases;
         st.releases += 1;
         let ring = st.ring.as_mut().expect("ring of a leased slot");
-        ring.slots[slot] = match fence {
-            Some(fence) => Slot::Fenced { fence, order },
-            None => {
-                if poison {
-                    B::poison(&ring.memory, slot).unwrap_or_else(|e| panic!("{e}"));
-                }
-                Slot::Free
-            }
-        };
+        ring.slots[slot] = Slot::Released { order };
+        let batch = (ring.slots.len() / 2).max(1);
+        if st.fence_wanted || st.released() >= batch {
+            st = self.fence_released(st);
+        }
         drop(st);
         self.shared.changed.notify_all();
+    }
+
+    /// Takes one fence after the work this thread submitted so far, which frees every slot
+    /// released before it (at once where the backend has nothing in flight).
+    fn fence_released<'a>(&'a self, st: MutexGuard<'a, State<B>>) -> MutexGuard<'a, State<B>> {
+        let released_before = st.releases;
+        drop(st);
+        let started = Instant::now();
+        let fence = B::fence(&self.device).map(|f| Arc::new(SharedFence(Mutex::new(Some(f)))));
+        let fenced = started.elapsed();
+        let mut st = self.lock();
+        st.fence_wanted = false;
+        st.counters.fences += 1;
+        st.counters.fence_time += fenced;
+        let poison = st.config.poison_released_slots;
+        if let Some(ring) = st.ring.as_mut() {
+            for (index, slot) in ring.slots.iter_mut().enumerate() {
+                let Slot::Released { order } = *slot else {
+                    continue;
+                };
+                if order >= released_before {
+                    continue;
+                }
+                *slot = match &fence {
+                    Some(fence) => Slot::Fenced {
+                        fence: fence.clone(),
+                        order,
+                    },
+                    None => {
+                        if poison {
+                            B::poison(&ring.memory, index).unwrap_or_else(|e| panic!("{e}"));
+                        }
+                        Slot::Free
+                    }
+                };
+            }
+        }
+        self.shared.changed.notify_all();
+        st
     }
 
     /// Uploads `weight` into a tensor of its own, counting the bytes and the time.
@@ -892,7 +1014,7 @@ impl<B: StreamTarget> Engine<B> {
         st.counters.upload += elapsed;
         st.counters.wait += elapsed;
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
-        st.sample_memory(&self.device, weight.device_bytes() as u64);
+        st.sample_use_memory(&self.device, weight.device_bytes() as u64);
         tensor
     }
 
@@ -923,12 +1045,7 @@ fn loader<B: StreamTarget>(shared: Arc<Shared<B>>) {
         };
         let poison = st.config.poison_released_slots;
         drop(st);
-        if let Some(fence) = claim.fence {
-            B::wait(fence);
-        }
-        if poison {
-            B::poison(&claim.memory, claim.slot).unwrap_or_else(|e| panic!("{e}"));
-        }
+        claim.prepare(poison);
         let started = Instant::now();
         B::fill(&claim.memory, claim.slot, &weight)
             .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));

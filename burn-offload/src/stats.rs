@@ -36,11 +36,14 @@ pub struct StepStats {
     /// is host time: the device usually still has queued work then, so a host wait is not device
     /// idle time. The exposed transfer shows in the step time against a resident run.
     pub wait_seconds: f64,
-    /// Seconds the compute thread spent taking the fences that free ring slots (on CUDA, a
-    /// round trip to CubeCL's device thread each).
+    /// Fences the compute thread took to free released ring slots, each freeing every slot
+    /// released before it.
+    pub fences: u64,
+    /// Seconds the compute thread spent taking those fences (on CUDA, a round trip to
+    /// CubeCL's device thread each).
     pub fence_seconds: f64,
-    /// Seconds spent reading the device memory in use (at every weight use and both ends of
-    /// the step).
+    /// Seconds spent reading the device memory in use (at both ends of the step, and at every
+    /// weight use of a recording step, every 16th of a replayed one).
     pub memory_read_seconds: f64,
     /// Seconds the compute thread spent making the tensors that read ring slots (an FP8
     /// weight's decode is queued there).

@@ -11,8 +11,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use std::sync::Arc;
 
 use burn_offload::{
-    MemoryPlan, Offload, OffloadConfig, OffloadError, Route, ScheduleOutcome, StepStats,
-    WeightStream,
+    Lookahead, MemoryPlan, Offload, OffloadConfig, OffloadError, OnDemand, PrefetchPolicy, Route,
+    ScheduleOutcome, StepStats, WeightStream,
 };
 use common::{DIM, Path, Recompute, bits, data, net, train};
 
@@ -30,6 +30,11 @@ fn ring_of_two() -> OffloadConfig {
 /// Trains the reference and the streamed network with the same paths; returns the streamed
 /// steps' statistics after checking bit-identity.
 fn compare(config: OffloadConfig, paths: &[Path]) -> Vec<StepStats> {
+    compare_with::<Lookahead>(config, paths)
+}
+
+/// [`compare`] with the prefetch policy `P`.
+fn compare_with<P: PrefetchPolicy>(config: OffloadConfig, paths: &[Path]) -> Vec<StepStats> {
     let device = Default::default();
     let path = |step: usize| paths[step];
     let (_, expected) = train(
@@ -40,8 +45,10 @@ fn compare(config: OffloadConfig, paths: &[Path]) -> Vec<StepStats> {
         path,
         |_| {},
     );
-    let stream = WeightStream::<A>::new(&device, config).unwrap();
-    let model = stream.stream_frozen(net::<A>(DType::F32, &device)).unwrap();
+    let stream = WeightStream::<Autodiff<Offload<Flex, P>>>::new(&device, config).unwrap();
+    let model = stream
+        .stream_frozen(net::<Autodiff<Offload<Flex, P>>>(DType::F32, &device))
+        .unwrap();
     let mut stats = Vec::new();
     let (_, records) = train(
         model,
@@ -109,6 +116,31 @@ fn steps_that_take_turns_between_two_orders_replay_both() {
         assert_eq!(s.on_demand, 0, "{s:?}");
         assert!(s.prefetched > 0, "{s:?}");
     }
+}
+
+#[test]
+fn one_fence_frees_half_the_ring() {
+    // A slot read by an op is reusable only after a fence; one fence frees every slot
+    // released before it, and is taken once half the ring is released (or the loader asks).
+    // Fetched on demand through eight slots: a fence for every four releases, and one at the
+    // end of the step. Through two, one per release.
+    let fences = |stats: &[StepStats], per_fence: u64| {
+        for s in &stats[1..] {
+            let releases = s.prefetched + s.on_demand;
+            assert!(releases >= 8, "{s:?}");
+            assert!(
+                s.fences * per_fence >= releases && s.fences <= releases.div_ceil(per_fence) + 1,
+                "{} fences for {releases} releases",
+                s.fences
+            );
+        }
+    };
+    let paths = [Path::All; 4];
+    fences(
+        &compare_with::<OnDemand>(ring_of_two().with_ring_slots(8), &paths),
+        4,
+    );
+    fences(&compare(ring_of_two(), &paths), 1);
 }
 
 #[test]

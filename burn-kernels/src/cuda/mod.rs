@@ -123,6 +123,34 @@ pub fn drain(client: &ComputeClient<CudaRuntime>) {
     block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
 }
 
+/// Copies `bytes` into the Burn buffer `handle` on `stream`, in the calling thread's compute
+/// order (`order.rs`): the copy starts after every kernel this thread queued before (those of
+/// the buffer's previous tenant included), and every kernel queued after waits for it, without
+/// the host waiting for the GPU. `bytes` must be page-locked (from pageable memory the driver
+/// would wait for the stream first) and stay untouched until `stream` has run the copy.
+pub fn copy_in_order(
+    client: &ComputeClient<CudaRuntime>,
+    side: &SideContext,
+    stream: &CudaStream,
+    handle: &Handle,
+    bytes: &[u8],
+) -> Result<(), KernelError> {
+    order::ordered(
+        client,
+        side,
+        stream,
+        crate::StreamOrder::Device,
+        [handle],
+        |[dst]| {
+            // SAFETY: `dst` is the address of `handle`, a live buffer of at least
+            // `bytes.len()` bytes, which no kernel reads before the copy is done (the
+            // ordering); the caller keeps `bytes` until `stream` has run the copy.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
+                .map_err(KernelError::device("copying into device memory"))
+        },
+    )
+}
+
 /// The device address of a Burn buffer, `None` when CubeCL cannot resolve it.
 pub fn address(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
     client

@@ -37,13 +37,34 @@ fn device_error(action: &'static str) -> impl Fn(DriverError) -> OffloadError {
     }
 }
 
-/// The CUDA context and the copy stream of `device`, shared by the rings and the direct path.
-fn copy_stream(device: &CudaDevice) -> Result<(Arc<CudaContext>, Arc<CudaStream>), OffloadError> {
-    let side = SideContext::of(device).map_err(|e| OffloadError::Device {
+/// `device`'s side context (burn-kernels'): its CUDA context and streams.
+fn side_context(device: &CudaDevice) -> Result<Arc<SideContext>, OffloadError> {
+    SideContext::of(device).map_err(|e| OffloadError::Device {
         action: "opening the CUDA side context",
         reason: e.to_string(),
-    })?;
+    })
+}
+
+/// The CUDA context and the copy stream of `device`, shared by the rings and the direct path.
+fn copy_stream(device: &CudaDevice) -> Result<(Arc<CudaContext>, Arc<CudaStream>), OffloadError> {
+    let side = side_context(device)?;
     Ok((side.context().clone(), side.copy_stream().clone()))
+}
+
+/// The entry of `device` in a per-device registry, made by `make` on the device's first use.
+fn per_device<'a, T>(
+    all: &'a mut Vec<(usize, T)>,
+    device: &CudaDevice,
+    make: impl FnOnce() -> Result<T, OffloadError>,
+) -> Result<&'a mut T, OffloadError> {
+    let at = match all.iter().position(|(index, _)| *index == device.index) {
+        Some(at) => at,
+        None => {
+            all.push((device.index, make()?));
+            all.len() - 1
+        }
+    };
+    Ok(&mut all[at].1)
 }
 
 /// Page-locked host memory.
@@ -159,21 +180,11 @@ impl Uploads {
     ) -> Result<(), OffloadError> {
         static ALL: Mutex<Vec<(usize, Uploads)>> = Mutex::new(Vec::new());
         let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
-        let at = match all.iter().position(|(index, _)| *index == device.index) {
-            Some(at) => at,
-            None => {
-                all.push((device.index, Self::new(device)?));
-                all.len() - 1
-            }
-        };
-        all[at].1.stage_and_copy(client, handle, bytes)
+        per_device(&mut all, device, || Self::new(device))?.stage_and_copy(client, handle, bytes)
     }
 
     fn new(device: &CudaDevice) -> Result<Self, OffloadError> {
-        let side = SideContext::of(device).map_err(|e| OffloadError::Device {
-            action: "opening the CUDA side context",
-            reason: e.to_string(),
-        })?;
+        let side = side_context(device)?;
         let stream = side
             .context()
             .new_stream()
@@ -475,17 +486,11 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             // One staging buffer per device for the reads, made on the first.
             static READS: Mutex<Vec<(usize, CudaStaging)>> = Mutex::new(Vec::new());
             let mut reads = READS.lock().unwrap_or_else(|p| p.into_inner());
-            let index = tensor.device.index;
-            let at = match reads.iter().position(|(device, _)| *device == index) {
-                Some(at) => at,
-                None => {
-                    reads.push((index, Self::download_staging(&tensor.device)?));
-                    reads.len() - 1
-                }
-            };
+            let device = tensor.device.clone();
+            let staging = per_device(&mut reads, &device, || Self::download_staging(&device))?;
             let download = Self::start_download(tensor)?;
             let mut bytes = Vec::with_capacity(len);
-            Self::finish_download(download, &mut reads[at].1, &mut |piece| {
+            Self::finish_download(download, staging, &mut |piece| {
                 bytes.extend_from_slice(piece)
             })?;
             Ok(bytes)

@@ -223,7 +223,7 @@ impl<B: StreamTarget> State<B> {
     /// Takes a free slot, or else the oldest fenced one, for filling. When there is none,
     /// asks the compute thread for a fence.
     fn claim(&mut self, use_index: Option<usize>) -> Option<Claim<B>> {
-        let ring = self.ring.as_mut()?;
+        let ring = self.ring.as_ref()?;
         let index = ring
             .slots
             .iter()
@@ -243,7 +243,7 @@ impl<B: StreamTarget> State<B> {
             self.fence_wanted = true;
             return None;
         };
-        let ring = self.ring.as_mut().expect("ring");
+        let ring = self.ring.as_mut()?;
         let fence = match std::mem::replace(&mut ring.slots[index], Slot::Filling { use_index }) {
             Slot::Fenced { fence, .. } => Some(fence),
             _ => None,

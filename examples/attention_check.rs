@@ -2,10 +2,12 @@
 //! v compared with the separate-ops attention on the same backend and with a float64 reference
 //! on the CPU, for tile-aligned and ragged lengths, both head sizes, cross attention and a
 //! strided v; attention at FLUX size is timed first on `Autodiff<Offload<Cuda>>`, forward and
-//! forward + backward, with the fused path as the switch sets it.
+//! forward + backward, with the fused path as the switch sets it (cuDNN's engine where it has
+//! one, the project's kernels with `kernels`, the separate ops with `separate`).
 //!
 //! ```text
 //! BURNLORA_KERNELS__BLAS=all cargo run --release --features cuda --example attention_check
+//! BURNLORA_KERNELS__ATTENTION=kernels cargo run --release --features cuda --example attention_check   # the project's kernels only
 //! BURNLORA_KERNELS__ATTENTION=separate cargo run --release --features cuda --example attention_check   # timing of the separate ops
 //! ```
 //!
@@ -119,7 +121,7 @@ fn main() {
     // FLUX.1 at 1024²: 24 heads of 128 over 4096 + 512 tokens.
     eprintln!("[{:7.1} s] timing at FLUX size", clock());
     let shape = [1, 24, 4608, 128];
-    let calls = counters().fused_attention;
+    let calls = counters();
     let [q, k, v] = [5, 6, 7].map(|seed| input::<Fused, 4>(shape, seed, bf16, &device));
     let forward = time::<Fused>(&device, 2, 10, || {
         drop(sdpa(q.clone(), k.clone(), v.clone()));
@@ -130,8 +132,13 @@ fn main() {
         drop(out.sum().backward());
     });
     let flop = 4.0 * 24.0 * 4608.0 * 4608.0 * 128.0;
-    let fused_on = counters().fused_attention > calls;
-    let path = if fused_on { "fused" } else { "separate ops" };
+    let ran = counters().since(calls);
+    let fused_on = ran.fused_attention > 0;
+    let path = match (fused_on, ran.dnn_attention > 0) {
+        (false, _) => "separate ops",
+        (true, true) => "fused, cuDNN",
+        (true, false) => "fused, own kernels",
+    };
     println!("== attention [1, 24, 4608, 128] bf16 on Autodiff<Offload<Cuda>>, {path}");
     println!(
         "  forward {:8.3} ms ({:5.0} TFLOP/s) | forward + backward {:8.3} ms",
@@ -146,12 +153,18 @@ fn main() {
         );
         for case in &CASES {
             eprintln!("[{:7.1} s] {}", clock(), case.name);
-            let before = counters().fused_attention;
+            let before = counters();
             let fused = run::<Fused>(case, Path::Sdpa, bf16, &device);
-            if counters().fused_attention != before + 1 {
+            let ran = counters().since(before);
+            if ran.fused_attention != 1 {
                 eprintln!("{}: the fused path did not run", case.name);
                 failed = true;
             }
+            let engine = if ran.dnn_attention == 1 {
+                "cuDNN"
+            } else {
+                "kernels"
+            };
             let plain = run::<Fused>(case, Path::Separate, bf16, &device);
             let reference = run::<Autodiff<Flex>>(
                 case,
@@ -171,7 +184,7 @@ fn main() {
                 let ok = ours.is_finite() && ours <= 1.25 * burns + 2e-3;
                 failed |= !ok;
                 println!(
-                    "  {:34} {what:11} {ours:9.2e} | {burns:9.2e} | {:9.2e}  {}",
+                    "  {:34} {engine:7} {what:11} {ours:9.2e} | {burns:9.2e} | {:9.2e}  {}",
                     case.name,
                     relative_error(&fused[i], &plain[i]),
                     if ok { "ok" } else { "FAILED" }

@@ -8,6 +8,8 @@ use std::cell::Cell;
 pub struct KernelCounters {
     /// Attention forward passes a fused kernel computed.
     pub fused_attention: u64,
+    /// Of those, forward passes cuDNN's fused attention engine computed.
+    pub dnn_attention: u64,
     /// GELU, layer-norm and RMS-norm-with-rotation forward passes a fused kernel computed.
     pub fused_elementwise: u64,
     /// Matrix products the vendor BLAS computed (forward and backward).
@@ -26,6 +28,7 @@ impl KernelCounters {
     pub fn since(self, earlier: Self) -> Self {
         Self {
             fused_attention: self.fused_attention - earlier.fused_attention,
+            dnn_attention: self.dnn_attention - earlier.dnn_attention,
             fused_elementwise: self.fused_elementwise - earlier.fused_elementwise,
             blas_products: self.blas_products - earlier.blas_products,
             blas_accumulated: self.blas_accumulated - earlier.blas_accumulated,
@@ -39,6 +42,7 @@ thread_local! {
     static COUNTERS: Cell<KernelCounters> = const {
         Cell::new(KernelCounters {
             fused_attention: 0,
+            dnn_attention: 0,
             fused_elementwise: 0,
             blas_products: 0,
             blas_accumulated: 0,
@@ -63,6 +67,11 @@ fn bump(field: impl FnOnce(&mut KernelCounters)) {
 
 pub(crate) fn count_attention() {
     bump(|c| c.fused_attention += 1);
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn count_dnn_attention() {
+    bump(|c| c.dnn_attention += 1);
 }
 
 pub(crate) fn count_elementwise() {

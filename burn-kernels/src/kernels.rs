@@ -10,7 +10,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::counters;
 use crate::fused::{FusedOps, LoraProducts, NormRope, UnaryOp};
-use crate::options::KernelOptions;
+use crate::options::{AttentionRoute, KernelOptions};
 
 /// A backend whose models can call the fused entry points: every [`FusedOps`] backend, and
 /// `Autodiff` of one under any checkpoint strategy (see `autodiff.rs`).
@@ -154,7 +154,7 @@ pub fn attention<B: Kernels>(
     scale: f64,
 ) -> Option<Tensor<B, 4>> {
     fused(
-        |o| o.fused_attention,
+        |o| o.attention != AttentionRoute::Separate,
         counters::count_attention,
         |options| {
             <B as Kernels>::attention(

@@ -70,4 +70,4 @@ pub use kernels::{
     Kernels, attention, gelu_tanh, layer_norm, linear, linear_add, lora_linear, rms_norm,
     rms_norm_rope, trainable,
 };
-pub use options::{BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};
+pub use options::{AttentionRoute, BlasRoute, Installed, KernelOptions, StreamOrder, UnknownName};

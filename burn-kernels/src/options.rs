@@ -16,8 +16,8 @@ use std::str::FromStr;
 pub struct KernelOptions {
     /// Which matrix products go to the vendor BLAS.
     pub blas: BlasRoute,
-    /// Whether attention without a bias runs as one fused kernel each way.
-    pub fused_attention: bool,
+    /// How attention without a bias runs.
+    pub attention: AttentionRoute,
     /// Whether GELU (tanh), layer norm, and RMS norm with the rotary embedding run as one fused
     /// kernel each way.
     pub fused_elementwise: bool,
@@ -40,6 +40,19 @@ pub enum BlasRoute {
     All,
 }
 
+/// How attention without a bias runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionRoute {
+    /// Fused, each way: cuDNN's flash-attention engine where it has one for the shape (CUDA),
+    /// this crate's kernels otherwise.
+    #[default]
+    Fused,
+    /// Fused, each way, by this crate's kernels only.
+    Kernels,
+    /// Burn's separate ops: two products and a softmax.
+    Separate,
+}
+
 /// How work queued on a CUDA stream of the kernels' own is ordered with CubeCL's stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StreamOrder {
@@ -60,7 +73,7 @@ impl KernelOptions {
     pub const fn fast() -> Self {
         Self {
             blas: BlasRoute::Auto,
-            fused_attention: true,
+            attention: AttentionRoute::Fused,
             fused_elementwise: true,
             order: StreamOrder::Device,
         }
@@ -70,7 +83,7 @@ impl KernelOptions {
     pub const fn separate_ops() -> Self {
         Self {
             blas: BlasRoute::Off,
-            fused_attention: false,
+            attention: AttentionRoute::Separate,
             fused_elementwise: false,
             order: StreamOrder::Host,
         }
@@ -117,7 +130,7 @@ impl fmt::Display for KernelOptions {
             f,
             "blas={} attention={} elementwise={} order={}",
             self.blas,
-            fused(self.fused_attention),
+            self.attention,
             fused(self.fused_elementwise),
             self.order
         )
@@ -159,6 +172,37 @@ impl FromStr for BlasRoute {
             "auto" => Ok(Self::Auto),
             "large" => Ok(Self::Large),
             "all" => Ok(Self::All),
+            _ => Err(UnknownName {
+                value: value.into(),
+                accepted: Self::NAMES,
+            }),
+        }
+    }
+}
+
+impl AttentionRoute {
+    /// The accepted spellings.
+    pub const NAMES: &'static str = "fused, kernels, separate";
+}
+
+impl fmt::Display for AttentionRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Fused => "fused",
+            Self::Kernels => "kernels",
+            Self::Separate => "separate",
+        })
+    }
+}
+
+impl FromStr for AttentionRoute {
+    type Err = UnknownName;
+
+    fn from_str(value: &str) -> Result<Self, UnknownName> {
+        match value {
+            "fused" => Ok(Self::Fused),
+            "kernels" => Ok(Self::Kernels),
+            "separate" => Ok(Self::Separate),
             _ => Err(UnknownName {
                 value: value.into(),
                 accepted: Self::NAMES,
@@ -229,6 +273,13 @@ mod tests {
         ] {
             assert_eq!(route.to_string().parse::<BlasRoute>(), Ok(route));
         }
+        for route in [
+            AttentionRoute::Fused,
+            AttentionRoute::Kernels,
+            AttentionRoute::Separate,
+        ] {
+            assert_eq!(route.to_string().parse::<AttentionRoute>(), Ok(route));
+        }
         for order in [StreamOrder::Device, StreamOrder::Host] {
             assert_eq!(order.to_string().parse::<StreamOrder>(), Ok(order));
         }
@@ -240,6 +291,10 @@ mod tests {
         assert_eq!(
             KernelOptions::fast().to_string(),
             "blas=auto attention=fused elementwise=fused order=device"
+        );
+        assert_eq!(
+            KernelOptions::separate_ops().to_string(),
+            "blas=off attention=separate elementwise=separate order=host"
         );
     }
 }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::DType;
 use burn_diffusion::Checkpointing;
 use burn_diffusion::sdxl::TEXT_ENCODERS;
-use burn_kernels::{BlasRoute, KernelOptions, StreamOrder};
+use burn_kernels::{AttentionRoute, BlasRoute, KernelOptions, StreamOrder};
 use burn_lora::{AdapterConfig, AdapterKind, Format, LokrConfig, LoraConfig, LoraPlan};
 use burn_quant::Fp8Format;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -1243,7 +1243,15 @@ fn check_kernels(c: &mut Checker, k: &KernelsYaml) -> Option<KernelOptions> {
             ("all", BlasRoute::All),
         ],
     );
-    let attention = c.choose("kernels.attention", &k.attention, &fused);
+    let attention = c.choose(
+        "kernels.attention",
+        &k.attention,
+        &[
+            ("fused", AttentionRoute::Fused),
+            ("kernels", AttentionRoute::Kernels),
+            ("separate", AttentionRoute::Separate),
+        ],
+    );
     let elementwise = c.choose("kernels.elementwise", &k.elementwise, &fused);
     let order = c.choose(
         "kernels.order",
@@ -1252,7 +1260,7 @@ fn check_kernels(c: &mut Checker, k: &KernelsYaml) -> Option<KernelOptions> {
     );
     Some(KernelOptions {
         blas: blas?,
-        fused_attention: attention?,
+        attention: attention?,
         fused_elementwise: elementwise?,
         order: order?,
     })
@@ -2059,7 +2067,7 @@ mod tests {
         );
         let separate = plan(&[("BURNLORA_KERNELS__ATTENTION", "separate")]);
         assert_ne!(base, separate.resume_fingerprint());
-        assert!(!separate.kernels.fused_attention);
+        assert_eq!(separate.kernels.attention, AttentionRoute::Separate);
         assert!(separate.to_json().contains("\"attention\":\"separate\""));
     }
 

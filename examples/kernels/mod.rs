@@ -1,6 +1,7 @@
 //! The GPU examples' kernel options, from the variables `burnlora train` reads for its
 //! `kernels` section: `BURNLORA_KERNELS__BLAS` (`auto`, `off`, `large`, `all`),
-//! `BURNLORA_KERNELS__ATTENTION` and `BURNLORA_KERNELS__ELEMENTWISE` (`fused`, `separate`),
+//! `BURNLORA_KERNELS__ATTENTION` (`fused`, `kernels`, `separate`),
+//! `BURNLORA_KERNELS__ELEMENTWISE` (`fused`, `separate`),
 //! `BURNLORA_KERNELS__ORDER` (`device`, `host`).
 
 use burn_kernels::{Installed, KernelOptions};
@@ -21,7 +22,10 @@ pub fn install_from_env() -> Installed {
             v.parse()
                 .unwrap_or_else(|e| fail("BLAS", &v, &format!("{e}")))
         }),
-        fused_attention: fused("ATTENTION", defaults.fused_attention),
+        attention: var("ATTENTION").map_or(defaults.attention, |v| {
+            v.parse()
+                .unwrap_or_else(|e| fail("ATTENTION", &v, &format!("{e}")))
+        }),
         fused_elementwise: fused("ELEMENTWISE", defaults.fused_elementwise),
         order: var("ORDER").map_or(defaults.order, |v| {
             v.parse()

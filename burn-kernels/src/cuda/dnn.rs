@@ -28,6 +28,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use crate::conv::ConvPlan;
 use crate::cuda::SideContext;
 use crate::cuda::order::ordered;
+use crate::cuda::sdpa::{self, AttentionShape, Plan};
 use crate::error::{KernelError, fell_back};
 use crate::fused::ConvGrad;
 use crate::options::{BlasRoute, KernelOptions};
@@ -43,6 +44,9 @@ pub(crate) struct Dnn {
     /// `_v7` heuristics query by building an operation graph, which costs milliseconds, so
     /// each convolution asks once.
     chosen: HashMap<(Pass, ConvPlan, u32), (Algorithm, usize)>,
+    /// The fused attention's forward and backward plans per shape; `None` where cuDNN offers
+    /// no engine for either.
+    attention: HashMap<AttentionShape, Option<(Plan, Plan)>>,
 }
 
 // SAFETY: the handle is only used under the mutex that owns the `Dnn`.
@@ -66,7 +70,39 @@ impl Dnn {
             stream,
             handle,
             chosen: HashMap::new(),
+            attention: HashMap::new(),
         })
+    }
+
+    /// The stream cuDNN runs on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The cuDNN handle (bound to [`Dnn::stream`]).
+    pub(crate) fn handle(&self) -> cudnnHandle_t {
+        self.handle
+    }
+
+    /// The forward and backward plans of the fused attention for `shape`, built on first use
+    /// with the CUDA context bound; `None` when cuDNN has no engine for either (logged once per
+    /// shape: the caller's own kernels run it instead).
+    pub(crate) fn attention_plans(&mut self, shape: &AttentionShape) -> Option<&(Plan, Plan)> {
+        let handle = self.handle;
+        self.attention
+            .entry(*shape)
+            .or_insert_with(|| {
+                let built = sdpa::forward_plan(handle, shape)
+                    .and_then(|forward| Ok((forward, sdpa::backward_plan(handle, shape)?)));
+                built
+                    .inspect_err(|error| {
+                        tracing::info!(
+                            "cuDNN attention for {shape:?}: {error}; the fused kernels run it"
+                        )
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 }
 

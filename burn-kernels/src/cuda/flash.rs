@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
@@ -14,13 +15,15 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use crate::counters::count_dnn_attention;
 use crate::cuda::flash_plan::{
     TILE, backward_shared, backward_stages, forward_query_tiles, forward_rows, forward_shared,
 };
 use crate::cuda::order::ordered;
+use crate::cuda::sdpa::{self, AttentionShape};
 use crate::cuda::{SideContext, compile_module, compute_capability};
 use crate::error::{KernelError, fell_back};
-use crate::options::StreamOrder;
+use crate::options::{AttentionRoute, KernelOptions, StreamOrder};
 
 /// Threads per block of the two main kernels.
 const THREADS: u32 = 128;
@@ -181,6 +184,17 @@ impl Problem {
     fn rows_q(&self) -> usize {
         self.batch * self.heads * self.len_q
     }
+
+    fn attention_shape(&self) -> AttentionShape {
+        AttentionShape {
+            batch: self.batch as i64,
+            heads: self.heads as i64,
+            len_q: self.len_q as i64,
+            len_k: self.len_k as i64,
+            head_dim: self.head_dim as i64,
+            strides: self.strides.map(|s| [s.batch, s.head, s.row]),
+        }
+    }
 }
 
 /// A fresh contiguous tensor of `shape` and `dtype` on `like`'s device.
@@ -197,15 +211,144 @@ fn empty(
     )
 }
 
+/// Which implementation ran a forward pass; its backward runs on the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    /// cuDNN's fused attention engines (`sdpa.rs`).
+    Cudnn,
+    /// The kernels of `flash_attention.cu`.
+    Kernels,
+}
+
 /// What the backward pass of one fused attention needs from its forward pass.
 #[derive(Debug, Clone)]
 pub struct FlashSaved {
     /// The output, `[batch, heads, len_q, head_dim]` bf16.
     output: CubeTensor<CudaRuntime>,
-    /// Per query row, the base-2 log-sum-exp of its scores, f32 `[batch, heads, len_q]`.
+    /// Per query row, the log-sum-exp of its scores, f32 `[batch, heads, len_q]`: of
+    /// `scale · q·k` in natural log units from cuDNN, of `scale · log2 e · q·k` in base 2 from
+    /// the kernels.
     row_stats: CubeTensor<CudaRuntime>,
     /// How the forward was ordered with CubeCL's stream; the backward is ordered the same way.
     order: StreamOrder,
+    engine: Engine,
+}
+
+/// The forward pass through cuDNN, or `None` when cuDNN is missing, has no engine for this
+/// shape, or fails (logged).
+fn cudnn_forward(
+    side: &SideContext,
+    [q, k, v]: [&CubeTensor<CudaRuntime>; 3],
+    problem: &Problem,
+    scale: f32,
+    order: StreamOrder,
+) -> Option<(CubeTensor<CudaRuntime>, FlashSaved)> {
+    let dnn = side.dnn().ok()?;
+    let mut dnn = dnn.lock().unwrap();
+    side.context().bind_to_thread().ok()?;
+    let (handle, stream) = (dnn.handle(), dnn.stream().clone());
+    let shape = problem.attention_shape();
+    let (plan, _) = dnn.attention_plans(&shape)?;
+    let (batch, heads, len_q) = (problem.batch, problem.heads, problem.len_q);
+    let out = empty(q, vec![batch, heads, len_q, problem.head_dim], DType::BF16);
+    let stats = empty(q, vec![batch, heads, len_q], DType::F32);
+    let workspace = q.client.empty(plan.workspace.max(1));
+    let buffers = [
+        &q.handle,
+        &k.handle,
+        &v.handle,
+        &out.handle,
+        &stats.handle,
+        &workspace,
+    ];
+    let run = ordered(&q.client, side, &stream, order, buffers, |addresses| {
+        // SAFETY: `Problem` checked q, k and v against the plan's shape; `out`, `stats` and
+        // the workspace were allocated for it.
+        unsafe { sdpa::run_forward(plan, handle, aligned(addresses)?, scale) }
+    });
+    match run {
+        Ok(()) => {
+            count_dnn_attention();
+            Some((
+                out.clone(),
+                FlashSaved {
+                    output: out,
+                    row_stats: stats,
+                    order,
+                    engine: Engine::Cudnn,
+                },
+            ))
+        }
+        Err(error) => {
+            tracing::warn!("cuDNN attention: {error}; the fused kernels run it");
+            None
+        }
+    }
+}
+
+/// The backward pass through cuDNN, for a forward that ran there (which built its plan).
+fn cudnn_backward(
+    side: &SideContext,
+    [q, k, v]: [&CubeTensor<CudaRuntime>; 3],
+    problem: &Problem,
+    saved: &FlashSaved,
+    grad: &CubeTensor<CudaRuntime>,
+    scale: f32,
+) -> Result<[CubeTensor<CudaRuntime>; 3], KernelError> {
+    let dnn = side.dnn()?;
+    let mut dnn = dnn.lock().unwrap();
+    let (handle, stream) = (dnn.handle(), dnn.stream().clone());
+    let shape = problem.attention_shape();
+    let (_, plan) = dnn
+        .attention_plans(&shape)
+        .expect("built for the forward pass");
+    let (batch, heads, len_q, len_k, d) = (
+        problem.batch,
+        problem.heads,
+        problem.len_q,
+        problem.len_k,
+        problem.head_dim,
+    );
+    let dq = empty(q, vec![batch, heads, len_q, d], DType::BF16);
+    let dk = empty(q, vec![batch, heads, len_k, d], DType::BF16);
+    let dv = empty(q, vec![batch, heads, len_k, d], DType::BF16);
+    let client = &q.client;
+    let row_sums = client.empty(shape.row_bytes());
+    let accumulator = client.empty(shape.dq_accumulator_bytes());
+    let workspace = client.empty(plan.workspace.max(1));
+    let buffers = [
+        &q.handle,
+        &k.handle,
+        &v.handle,
+        &saved.output.handle,
+        &saved.row_stats.handle,
+        &grad.handle,
+        &dq.handle,
+        &dk.handle,
+        &dv.handle,
+        &row_sums,
+        &accumulator,
+        &workspace,
+    ];
+    ordered(client, side, &stream, saved.order, buffers, |addresses| {
+        let addresses = aligned(addresses)?;
+        if sdpa::clears_nothing() {
+            // SAFETY: the accumulator holds `dq_accumulator_bytes`; all-zero bytes are 0.0.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    addresses[10],
+                    0,
+                    shape.dq_accumulator_bytes(),
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(KernelError::device("clearing the dq accumulator"))?;
+        }
+        // SAFETY: the forward checked q, k and v against the plan's shape, `grad` is the
+        // contiguous output gradient, and every other buffer was allocated for the shape.
+        unsafe { sdpa::run_backward(plan, handle, addresses, scale) }
+    })?;
+    Ok([dq, dk, dv])
 }
 
 /// `softmax(scale · q kᵀ) v` and what its backward needs, or `None` when the kernels do not take
@@ -215,9 +358,10 @@ pub(crate) fn forward(
     k: &CubeTensor<CudaRuntime>,
     v: &CubeTensor<CudaRuntime>,
     scale: f32,
-    order: StreamOrder,
+    options: &KernelOptions,
 ) -> Option<(CubeTensor<CudaRuntime>, FlashSaved)> {
     let problem = Problem::new(q, k, v)?;
+    let order = options.order;
     let side = match SideContext::of(&q.device) {
         Ok(side) => side,
         Err(error) => {
@@ -225,6 +369,11 @@ pub(crate) fn forward(
             return None;
         }
     };
+    if options.attention == AttentionRoute::Fused
+        && let Some(done) = cudnn_forward(&side, [q, k, v], &problem, scale, order)
+    {
+        return Some(done);
+    }
     let kernels = match side.flash(problem.head_dim) {
         Ok(kernels) => kernels,
         Err(error) => {
@@ -293,6 +442,7 @@ pub(crate) fn forward(
                 output: out,
                 row_stats: lse,
                 order,
+                engine: Engine::Kernels,
             },
         )),
         Err(error) => {
@@ -325,8 +475,24 @@ pub(crate) fn backward(
         [batch, heads, len_q, head_dim],
         "output gradient shape"
     );
-    let (out, lse) = (&saved.output, &saved.row_stats);
     let side = SideContext::of(&q.device).expect("opened for the forward pass");
+    if saved.engine == Engine::Cudnn {
+        let packed = [heads * len_q * head_dim, len_q * head_dim, head_dim].map(|n| n as i64);
+        let sizes = [batch, heads, len_q];
+        let contiguous =
+            (0..3).all(|i| sizes[i] == 1 || [ds.batch, ds.head, ds.row][i] == packed[i]);
+        // The backward plan reads the output gradient packed, as its forward wrote the output.
+        let grad = if contiguous {
+            grad.clone()
+        } else {
+            into_contiguous(grad.clone())
+        };
+        match cudnn_backward(&side, [q, k, v], &problem, saved, &grad, scale) {
+            Ok(grads) => return grads,
+            Err(error) => panic!("cuDNN attention backward failed: {error}"),
+        }
+    }
+    let (out, lse) = (&saved.output, &saved.row_stats);
     let kernels = side.flash(head_dim).expect("compiled for the forward pass");
     let rows = problem.rows_q();
     let delta = empty(q, vec![rows], DType::F32);

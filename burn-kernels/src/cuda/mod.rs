@@ -10,6 +10,7 @@ mod dnn;
 mod flash;
 mod flash_plan;
 mod order;
+mod sdpa;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -216,7 +217,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         scale: f32,
         options: &KernelOptions,
     ) -> Option<(FloatTensor<Self>, FlashSaved)> {
-        flash::forward(q, k, v, scale, options.order)
+        flash::forward(q, k, v, scale, options)
     }
 
     fn fused_attention_backward(

@@ -25,8 +25,9 @@ pub enum WireFormat {
 /// Configuration of the engine of one device.
 ///
 /// The planner keeps weights resident while `vram_budget - activation_headroom` holds them
-/// together with the ring (`ring_slots` slots as large as the largest streamed weight); the
-/// rest stream. Which weights stay is chosen from the cost model (`link_bytes_per_second`,
+/// together with the ring (`ring_slots` slots as large as the largest streamed weight, leaving
+/// out one more than `ring_slots` times the next smaller: that one is uploaded on its own at its
+/// use); the rest stream. Which weights stay is chosen from the cost model (`link_bytes_per_second`,
 /// `compute_flops_per_second`): those whose transfer the compute cannot hide come first.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OffloadConfig {

@@ -26,6 +26,7 @@ use burn::tensor::ops::FloatTensor;
 use crate::config::OffloadConfig;
 use crate::policy::{
     self, PlanLimits, Retention, Route, Schedule, ScheduleOutcome, Shortfall, Use, WeightProfile,
+    ring_slot_bytes,
 };
 use crate::stats::{MemoryPlan, StepStats};
 use crate::target::{MemoryProbe, StreamTarget};
@@ -169,7 +170,8 @@ impl<B: StreamTarget> State<B> {
     fn route(&self, weight: &HostWeight) -> Route {
         let route = self.routes.get(&weight.id).copied().unwrap_or(Route::Ring);
         match (route, &self.ring) {
-            // A weight registered after the ring was sized, and larger than its slots.
+            // A weight larger than the slots: registered after the ring was sized, or left out
+            // of its sizing.
             (Route::Ring, Some(ring)) if B::slot_bytes(weight) > ring.slot_bytes => Route::Direct,
             _ => route,
         }
@@ -439,15 +441,15 @@ impl<B: StreamTarget> State<B> {
         dropped
     }
 
-    /// Slot size the current routes need.
+    /// Slot size the current routes need ([`ring_slot_bytes`]).
     fn wanted_slot_bytes(&self) -> usize {
-        self.weights
+        let sizes = self
+            .weights
             .values()
             .filter_map(Weak::upgrade)
             .filter(|w| self.routes.get(&w.id).copied().unwrap_or(Route::Ring) == Route::Ring)
-            .map(|w| B::slot_bytes(&w))
-            .max()
-            .unwrap_or(0)
+            .map(|w| B::slot_bytes(&w) as u64);
+        ring_slot_bytes(sizes, self.config.ring_slots) as usize
     }
 }
 

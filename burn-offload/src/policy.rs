@@ -352,7 +352,7 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
     };
     let mut routes: Vec<Route> = weights.iter().map(streamed_route).collect();
     let ring_bytes = |routes: &[Route]| {
-        let slot = slot_bytes(weights, routes);
+        let slot = slot_bytes(weights, routes, limits.ring_slots);
         slot * limits.ring_slots as u64
     };
 
@@ -389,7 +389,12 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
             routes[i] = previous;
         }
     }
-    let slot_bytes = slot_bytes(weights, &routes);
+    let slot_bytes = slot_bytes(weights, &routes, limits.ring_slots);
+    for (route, weight) in routes.iter_mut().zip(weights) {
+        if *route == Route::Ring && weight.slot_bytes > slot_bytes {
+            *route = Route::Direct;
+        }
+    }
     Plan {
         ring_bytes: slot_bytes * limits.ring_slots as u64,
         routes,
@@ -629,14 +634,32 @@ pub fn shortfall(weights: &[WeightProfile], limits: &PlanLimits) -> Option<Short
     (short.needed() > limits.vram_budget).then_some(short)
 }
 
-fn slot_bytes(weights: &[WeightProfile], routes: &[Route]) -> u64 {
-    weights
-        .iter()
-        .zip(routes)
-        .filter(|(_, r)| **r == Route::Ring)
-        .map(|(w, _)| w.slot_bytes)
-        .max()
-        .unwrap_or(0)
+fn slot_bytes(weights: &[WeightProfile], routes: &[Route], slots: usize) -> u64 {
+    ring_slot_bytes(
+        weights
+            .iter()
+            .zip(routes)
+            .filter(|(_, r)| **r == Route::Ring)
+            .map(|(w, _)| w.slot_bytes),
+        slots,
+    )
+}
+
+/// Bytes of each of `slots` ring slots for weights needing `sizes` bytes of slot each: the
+/// largest size, leaving out (again and again) a largest weight more than `slots` times the
+/// next smaller one, such as a text encoder's token embedding among its matrices. A ring sized
+/// for such a weight would cost about `slots - 1` times more device memory than uploading it on
+/// its own at its use, which is what happens to a weight larger than the slots (the direct
+/// path).
+pub(crate) fn ring_slot_bytes(sizes: impl IntoIterator<Item = u64>, slots: usize) -> u64 {
+    let mut sizes: Vec<u64> = sizes.into_iter().collect();
+    sizes.sort_unstable();
+    while let [.., next, largest] = sizes[..]
+        && largest > next.saturating_mul(slots as u64)
+    {
+        sizes.pop();
+    }
+    sizes.last().copied().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -884,6 +907,30 @@ mod tests {
                 300,
                 200,
             ),
+            (
+                "an outsized weight takes the direct path",
+                vec![
+                    weight(1000, 1, 0.0),
+                    weight(100, 1, 0.0),
+                    weight(100, 1, 0.0),
+                ],
+                limits(0),
+                vec![D, S, S],
+                0,
+                200,
+            ),
+            (
+                "several weights of the largest size are not outsized",
+                vec![
+                    weight(300, 1, 0.0),
+                    weight(300, 1, 0.0),
+                    weight(100, 1, 0.0),
+                ],
+                limits(0),
+                vec![S, S, S],
+                0,
+                600,
+            ),
         ];
         for (name, weights, limits, routes, resident, ring) in cases {
             let plan = plan(&weights, &limits);
@@ -891,6 +938,29 @@ mod tests {
             assert_eq!(plan.resident_bytes, resident, "{name}");
             assert_eq!(plan.ring_bytes, ring, "{name}");
         }
+    }
+
+    #[test]
+    fn the_ring_is_sized_without_outsized_weights() {
+        // (sizes, slots, slot bytes): umT5-XXL's 2.1 GB embedding among its 84 MB and 34 MB
+        // matrices; T5-XXL's 263 MB embedding is within four slots of its 84 MB matrices.
+        let cases: [(&[u64], usize, u64); 7] = [
+            (&[34, 2100, 84, 34], 4, 84),
+            (&[263, 84, 34], 4, 263),
+            (&[1000, 300, 100], 2, 100),
+            (&[300, 300, 100], 2, 300),
+            (&[201, 100], 2, 100),
+            (&[200, 100], 2, 200),
+            (&[5], 4, 5),
+        ];
+        for (sizes, slots, slot) in cases {
+            assert_eq!(
+                ring_slot_bytes(sizes.iter().copied(), slots),
+                slot,
+                "{sizes:?}"
+            );
+        }
+        assert_eq!(ring_slot_bytes([], 4), 0);
     }
 
     #[test]

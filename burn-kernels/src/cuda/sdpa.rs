@@ -103,6 +103,15 @@ impl Descriptor {
         checked(status, "setting a cuDNN graph attribute")
     }
 
+    /// Sets attribute `name` to the backend descriptors `values`.
+    fn set_descriptors(
+        &self,
+        name: Attr,
+        values: &[cudnnBackendDescriptor_t],
+    ) -> Result<(), KernelError> {
+        self.set(name, Type::CUDNN_TYPE_BACKEND_DESCRIPTOR, values)
+    }
+
     fn finalize(self) -> Result<Self, KernelError> {
         // SAFETY: a live descriptor whose required attributes were set.
         checked(
@@ -239,27 +248,10 @@ impl Graph {
         )?;
         let desc = desc.finalize()?;
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
-        let descriptor = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_MATMUL_ADESC,
-            descriptor,
-            &[self.raw(a)],
-        )?;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_MATMUL_BDESC,
-            descriptor,
-            &[self.raw(b)],
-        )?;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_MATMUL_CDESC,
-            descriptor,
-            &[self.raw(c)],
-        )?;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC,
-            descriptor,
-            &[desc.0],
-        )?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[self.raw(a)])?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[self.raw(b)])?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[self.raw(c)])?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[desc.0])?;
         self.ops.push(op.finalize()?);
         Ok(())
     }
@@ -285,29 +277,15 @@ impl Graph {
         )?;
         let desc = desc.finalize()?;
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
-        let descriptor = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        op.set(
+        op.set_descriptors(
             Attr::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR,
-            descriptor,
             &[desc.0],
         )?;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
-            descriptor,
-            &[self.raw(x)],
-        )?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &[self.raw(x)])?;
         if let Some(b) = b {
-            op.set(
-                Attr::CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
-                descriptor,
-                &[self.raw(b)],
-            )?;
+            op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, &[self.raw(b)])?;
         }
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_POINTWISE_YDESC,
-            descriptor,
-            &[self.raw(y)],
-        )?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[self.raw(y)])?;
         self.ops.push(op.finalize()?);
         Ok(())
     }
@@ -324,22 +302,9 @@ impl Graph {
         )?;
         let desc = desc.finalize()?;
         let node = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
-        let descriptor = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        node.set(
-            Attr::CUDNN_ATTR_OPERATION_REDUCTION_DESC,
-            descriptor,
-            &[desc.0],
-        )?;
-        node.set(
-            Attr::CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
-            descriptor,
-            &[self.raw(x)],
-        )?;
-        node.set(
-            Attr::CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
-            descriptor,
-            &[self.raw(y)],
-        )?;
+        node.set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[desc.0])?;
+        node.set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[self.raw(x)])?;
+        node.set_descriptors(Attr::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[self.raw(y)])?;
         self.ops.push(node.finalize()?);
         Ok(())
     }
@@ -347,17 +312,8 @@ impl Graph {
     /// `y`, the elements of `x` seen through `y`'s dimensions and strides (a transposed view).
     fn reshape(&mut self, x: i64, y: i64) -> Result<(), KernelError> {
         let op = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
-        let descriptor = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_RESHAPE_XDESC,
-            descriptor,
-            &[self.raw(x)],
-        )?;
-        op.set(
-            Attr::CUDNN_ATTR_OPERATION_RESHAPE_YDESC,
-            descriptor,
-            &[self.raw(y)],
-        )?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[self.raw(x)])?;
+        op.set_descriptors(Attr::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[self.raw(y)])?;
         self.ops.push(op.finalize()?);
         Ok(())
     }
@@ -367,11 +323,7 @@ impl Graph {
     fn plan(self, handle: cudnnHandle_t) -> Result<Plan, KernelError> {
         let ops: Vec<cudnnBackendDescriptor_t> = self.ops.iter().map(|op| op.0).collect();
         let graph = Descriptor::new(Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
-        graph.set(
-            Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS,
-            Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            &ops,
-        )?;
+        graph.set_descriptors(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops)?;
         graph.set(
             Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
             Type::CUDNN_TYPE_HANDLE,
@@ -383,12 +335,7 @@ impl Graph {
             cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
         ] {
             let heuristics = Descriptor::new(Kind::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-            let descriptor = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
-            heuristics.set(
-                Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
-                descriptor,
-                &[graph.0],
-            )?;
+            heuristics.set_descriptors(Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph.0])?;
             heuristics.set(
                 Attr::CUDNN_ATTR_ENGINEHEUR_MODE,
                 Type::CUDNN_TYPE_HEUR_MODE,
@@ -403,7 +350,7 @@ impl Graph {
                 sys::cudnnBackendGetAttribute(
                     heuristics.0,
                     Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                    descriptor,
+                    Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
                     0,
                     &mut count,
                     std::ptr::null_mut(),
@@ -420,7 +367,7 @@ impl Graph {
                 sys::cudnnBackendGetAttribute(
                     heuristics.0,
                     Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                    descriptor,
+                    Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
                     count,
                     &mut got,
                     raw.as_mut_ptr().cast(),
@@ -434,8 +381,7 @@ impl Graph {
                     Type::CUDNN_TYPE_HANDLE,
                     &[handle],
                 )?;
-                let config = Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG;
-                plan.set(config, descriptor, &[choice])?;
+                plan.set_descriptors(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[choice])?;
                 let Ok(plan) = plan.finalize() else {
                     continue;
                 };

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, FloatDType, TensorData};
+use burn::tensor::{DType, FloatDType, Shape, TensorData};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
@@ -292,6 +292,11 @@ fn device_buffer(
     Ok((handle, ptr))
 }
 
+/// Whether a resident `weight` is kept as its wire payload and decoded at each use.
+fn stays_compact(weight: &HostWeight) -> bool {
+    weight.encoding != Encoding::Native && weight.wire_bytes() > SMALL
+}
+
 /// The bytes `[start, start + len)` of a buffer.
 fn sub_handle(handle: &Handle, start: usize, len: usize) -> Handle {
     let size = handle.size() as usize;
@@ -416,6 +421,57 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         device: &CudaDevice,
     ) -> FloatTensor<Self> {
         decode::<F, I, BT>(&ring.slots[slot].0, weight, device)
+    }
+
+    /// Only a weight sent in its own dtype is read in place; any other is decoded into a tensor
+    /// of its own.
+    fn view_reads_slot(weight: &HostWeight) -> bool {
+        weight.encoding == Encoding::Native
+    }
+
+    /// The wire payload, for a weight sent in another format than its dtype and larger than
+    /// [`SMALL`].
+    fn compact_bytes(weight: &HostWeight) -> usize {
+        if stays_compact(weight) {
+            weight.wire_bytes()
+        } else {
+            weight.device_bytes()
+        }
+    }
+
+    /// The wire payload in a buffer of its own, as bytes (see [`compact_bytes`](Self::compact_bytes)).
+    fn upload_compact(
+        weight: &HostWeight,
+        device: &CudaDevice,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        if !stays_compact(weight) {
+            return Self::upload(weight, device);
+        }
+        let (ctx, stream) = copy_stream(device)?;
+        let client = CudaRuntime::client(device);
+        let size = weight.wire_bytes();
+        let (handle, ptr) = device_buffer(&client, size)?;
+        drain(&client);
+        copy(&ctx, &stream, ptr, weight.memory.bytes())?;
+        Ok(CubeTensor::new_contiguous(
+            client,
+            device.clone(),
+            Shape::new([size]),
+            handle,
+            DType::U8,
+        ))
+    }
+
+    fn expand(
+        stored: &FloatTensor<Self>,
+        weight: &HostWeight,
+        device: &CudaDevice,
+    ) -> FloatTensor<Self> {
+        if stays_compact(weight) {
+            decode::<F, I, BT>(&stored.handle, weight, device)
+        } else {
+            stored.clone()
+        }
     }
 
     /// A weight sent in its own dtype is read in place from the slot and copied on the

@@ -130,8 +130,8 @@ struct State<B: StreamTarget> {
     config: OffloadConfig,
     weights: BTreeMap<u64, Weak<HostWeight>>,
     routes: HashMap<u64, Route>,
-    /// Resident copies, with their device bytes.
-    resident: HashMap<u64, (FloatTensor<B>, u64)>,
+    /// Resident copies, with their device bytes and their route (decoded or compact).
+    resident: HashMap<u64, (FloatTensor<B>, u64, Route)>,
     /// Device bytes of the resident copies.
     resident_bytes: u64,
     /// Copies of streamed weights kept between two uses, with their device bytes.
@@ -344,8 +344,8 @@ impl<B: StreamTarget> State<B> {
         }
     }
 
-    fn keep_resident(&mut self, id: u64, tensor: FloatTensor<B>, bytes: u64) {
-        if let Some((_, previous)) = self.resident.insert(id, (tensor, bytes)) {
+    fn keep_resident(&mut self, id: u64, tensor: FloatTensor<B>, bytes: u64, route: Route) {
+        if let Some((_, previous, _)) = self.resident.insert(id, (tensor, bytes, route)) {
             self.resident_bytes -= previous;
         }
         self.resident_bytes += bytes;
@@ -374,6 +374,7 @@ impl<B: StreamTarget> State<B> {
                 };
                 WeightProfile {
                     device_bytes: w.device_bytes() as u64,
+                    compact_bytes: B::compact_bytes(w) as u64,
                     wire_bytes: w.wire_bytes() as u64,
                     slot_bytes: B::slot_bytes(w) as u64,
                     uses,
@@ -398,11 +399,7 @@ impl<B: StreamTarget> State<B> {
             .collect();
         let (plan, retentions) =
             policy::plan_step(&profiles, &orders, self.config.retain_window, &limits);
-        let resident_weights = plan
-            .routes
-            .iter()
-            .filter(|r| **r == Route::Resident)
-            .count();
+        let resident_weights = plan.routes.iter().filter(|r| r.is_resident()).count();
         self.planned = MemoryPlan {
             vram_budget: limits.vram_budget,
             activation_headroom: limits.activation_headroom,
@@ -416,8 +413,8 @@ impl<B: StreamTarget> State<B> {
         self.routes = live.iter().map(|w| w.id).zip(plan.routes).collect();
         let routes = &self.routes;
         let mut dropped = 0;
-        self.resident.retain(|id, (_, bytes)| {
-            let keep = routes.get(id) == Some(&Route::Resident);
+        self.resident.retain(|id, (_, bytes, route)| {
+            let keep = routes.get(id) == Some(route);
             if !keep {
                 dropped += *bytes;
             }
@@ -791,9 +788,10 @@ impl<B: StreamTarget> Engine<B> {
             st = self.resize_ring(st);
         }
         match st.route(weight) {
-            Route::Resident => {
-                let tensor = match st.resident.get(&weight.id) {
-                    Some((t, _)) => {
+            route @ (Route::Resident | Route::Compact) => {
+                let compact = route == Route::Compact;
+                let stored = match st.resident.get(&weight.id) {
+                    Some((t, _, _)) => {
                         let t = t.clone();
                         st.counters.resident_hits += 1;
                         st.sample_use_memory(&self.device, 0);
@@ -801,20 +799,29 @@ impl<B: StreamTarget> Engine<B> {
                     }
                     None => {
                         drop(st);
-                        let t = self.upload(weight);
+                        let t = self.upload(weight, compact);
+                        let bytes = if compact {
+                            B::compact_bytes(weight)
+                        } else {
+                            weight.device_bytes()
+                        };
                         st = self.lock();
-                        st.keep_resident(weight.id, t.clone(), weight.device_bytes() as u64);
+                        st.keep_resident(weight.id, t.clone(), bytes as u64, route);
                         t
                     }
                 };
                 drop(st);
-                op(tensor)
+                op(if compact {
+                    B::expand(&stored, weight, &self.device)
+                } else {
+                    stored
+                })
             }
             Route::Direct => {
                 st.counters.direct += 1;
                 st.sample_use_memory(&self.device, 0);
                 drop(st);
-                op(self.upload(weight))
+                op(self.upload(weight, false))
             }
             Route::Ring => {
                 let replayed = match decision {
@@ -837,7 +844,7 @@ impl<B: StreamTarget> Engine<B> {
                     _ => self.fetch_on_demand(st, weight),
                 };
                 let Some(slot) = slot else {
-                    return op(self.upload(weight));
+                    return op(self.upload(weight, false));
                 };
                 let lease = SlotLease { engine: self, slot };
                 let view = {
@@ -848,6 +855,9 @@ impl<B: StreamTarget> Engine<B> {
                     st.counters.views += started.elapsed();
                     view
                 };
+                // A view decoded into a tensor of its own frees its slot now, so that the fence
+                // releasing it follows the decode rather than the op.
+                let lease = B::view_reads_slot(weight).then_some(lease);
                 if !keep {
                     let out = op(view);
                     drop(lease);
@@ -1006,11 +1016,16 @@ impl<B: StreamTarget> Engine<B> {
         st
     }
 
-    /// Uploads `weight` into a tensor of its own, counting the bytes and the time.
-    fn upload(&self, weight: &HostWeight) -> FloatTensor<B> {
+    /// Uploads `weight` into a tensor of its own (compact or decoded), counting the bytes and
+    /// the time.
+    fn upload(&self, weight: &HostWeight, compact: bool) -> FloatTensor<B> {
         let started = Instant::now();
-        let tensor = B::upload(weight, &self.device)
-            .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
+        let tensor = if compact {
+            B::upload_compact(weight, &self.device)
+        } else {
+            B::upload(weight, &self.device)
+        }
+        .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
         let mut st = self.lock();
         let elapsed = started.elapsed();
         st.counters.upload += elapsed;
@@ -1024,13 +1039,16 @@ impl<B: StreamTarget> Engine<B> {
     pub fn materialize(&self, weight: &HostWeight) -> FloatTensor<B> {
         let mut st = self.lock();
         st.counters.materialized += 1;
-        if let Some((t, _)) = st.resident.get(&weight.id) {
-            return t.clone();
+        if let Some((t, _, route)) = st.resident.get(&weight.id) {
+            return match route {
+                Route::Compact => B::expand(t, weight, &self.device),
+                _ => t.clone(),
+            };
         }
         st.counters.materialized_bytes += weight.wire_bytes() as u64;
         drop(st);
         tracing::debug!(weight = %weight.name, "materializing a streamed weight");
-        self.upload(weight)
+        self.upload(weight, false)
     }
 }
 

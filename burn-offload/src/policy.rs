@@ -269,8 +269,11 @@ impl Schedule {
 /// One weight as the planner sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WeightProfile {
-    /// Bytes it occupies on the device when resident (decoded, in its compute dtype).
+    /// Bytes it occupies on the device decoded, in its compute dtype.
     pub device_bytes: u64,
+    /// Bytes it occupies on the device kept in compact form and decoded at each use: its wire
+    /// payload where the device decodes it (FP8 codes and scales), else `device_bytes`.
+    pub compact_bytes: u64,
     /// Bytes one upload moves over the bus (the wire payload).
     pub wire_bytes: u64,
     /// Bytes it needs in a ring slot.
@@ -302,12 +305,21 @@ pub struct PlanLimits {
 /// Where a weight comes from when an op needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Route {
-    /// Uploaded once and kept on the device.
+    /// Uploaded once and kept on the device, decoded.
     Resident,
+    /// Uploaded once and kept on the device in compact form, decoded at each use.
+    Compact,
     /// Streamed through the ring, prefetched when the schedule allows.
     Ring,
     /// Small: uploaded on demand into a buffer of its own.
     Direct,
+}
+
+impl Route {
+    /// Whether the weight stays on the device, decoded or compact.
+    pub fn is_resident(self) -> bool {
+        matches!(self, Route::Resident | Route::Compact)
+    }
 }
 
 /// The planner's decision.
@@ -334,11 +346,14 @@ fn exposed_seconds(w: &WeightProfile, limits: &PlanLimits) -> f64 {
 ///
 /// Weights are ranked by the transfer time they would expose per step for each byte of VRAM
 /// they occupy (the least hideable first), then by the bytes they would move per step, then by
-/// their index. Following that order, a weight becomes resident if the resident weights, itself
-/// and the ring still needed for the weights left streaming fit in
-/// `vram_budget - activation_headroom`; at each rank, all remaining weights become resident at
-/// once if they fit without a ring. Weights not used in a step are never made resident.
-/// The others stream: through the ring, or by the direct path below `direct_threshold`.
+/// their index. Following that order, a weight becomes resident in its compact form
+/// ([`WeightProfile::compact_bytes`]: decoding an FP8 weight at each use costs far less than
+/// streaming it) if the resident weights, itself and the ring still needed for the weights
+/// left streaming fit in `vram_budget - activation_headroom`; at each rank, all remaining
+/// weights become resident at once if they fit without a ring. What the budget leaves then
+/// goes to decoding compact weights once, in the same order. Weights not used in a step are
+/// never made resident. The others stream: through the ring, or by the direct path below
+/// `direct_threshold`.
 pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
     let available = limits
         .vram_budget
@@ -348,6 +363,13 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
             Route::Direct
         } else {
             Route::Ring
+        }
+    };
+    let resident_route = |w: &WeightProfile| {
+        if w.compact_bytes < w.device_bytes {
+            Route::Compact
+        } else {
+            Route::Resident
         }
     };
     let mut routes: Vec<Route> = weights.iter().map(streamed_route).collect();
@@ -361,7 +383,7 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
         .enumerate()
         .filter(|(_, w)| w.uses > 0)
         .map(|(i, w)| {
-            let per_byte = exposed_seconds(w, limits) / w.device_bytes.max(1) as f64;
+            let per_byte = exposed_seconds(w, limits) / w.compact_bytes.max(1) as f64;
             (i, per_byte, w.uses * w.wire_bytes)
         })
         .collect();
@@ -373,20 +395,30 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
         // because the ring is no longer needed once nothing streams through it.
         let rest = &ranked[rank..];
         let mut all = routes.clone();
-        rest.iter().for_each(|&(j, _, _)| all[j] = Route::Resident);
-        let rest_bytes: u64 = rest.iter().map(|&(j, _, _)| weights[j].device_bytes).sum();
+        rest.iter()
+            .for_each(|&(j, _, _)| all[j] = resident_route(&weights[j]));
+        let rest_bytes: u64 = rest.iter().map(|&(j, _, _)| weights[j].compact_bytes).sum();
         if resident_bytes + rest_bytes + ring_bytes(&all) <= available {
             routes = all;
             resident_bytes += rest_bytes;
             break;
         }
         let previous = routes[i];
-        routes[i] = Route::Resident;
-        let needed = resident_bytes + weights[i].device_bytes + ring_bytes(&routes);
+        routes[i] = resident_route(&weights[i]);
+        let needed = resident_bytes + weights[i].compact_bytes + ring_bytes(&routes);
         if needed <= available {
-            resident_bytes += weights[i].device_bytes;
+            resident_bytes += weights[i].compact_bytes;
         } else {
             routes[i] = previous;
+        }
+    }
+    let ring = ring_bytes(&routes);
+    for &(i, _, _) in &ranked {
+        let w = &weights[i];
+        let grown = resident_bytes + w.device_bytes - w.compact_bytes;
+        if routes[i] == Route::Compact && grown + ring <= available {
+            routes[i] = Route::Resident;
+            resident_bytes = grown;
         }
     }
     let slot_bytes = slot_bytes(weights, &routes, limits.ring_slots);
@@ -555,7 +587,7 @@ fn bytes_moved(
         .iter()
         .enumerate()
         .filter_map(|(i, w)| Some((i, (*w)?)))
-        .filter(|&(i, w)| plan.routes[w] != Route::Resident && !retention.is_kept(i))
+        .filter(|&(i, w)| !plan.routes[w].is_resident() && !retention.is_kept(i))
         .map(|(_, w)| weights[w].wire_bytes)
         .sum()
 }
@@ -794,10 +826,19 @@ mod tests {
     fn weight(bytes: u64, uses: u64, flops: f64) -> WeightProfile {
         WeightProfile {
             device_bytes: bytes,
+            compact_bytes: bytes,
             wire_bytes: bytes,
             slot_bytes: bytes,
             uses,
             flops,
+        }
+    }
+
+    /// `weight` sent and kept compact in half its decoded size, as an FP8 weight of bf16.
+    fn fp8(bytes: u64, uses: u64, flops: f64) -> WeightProfile {
+        WeightProfile {
+            device_bytes: 2 * bytes,
+            ..weight(bytes, uses, flops)
         }
     }
 
@@ -827,8 +868,12 @@ mod tests {
 
     #[test]
     fn planner_table() {
-        use Route::{Direct as D, Resident as R, Ring as S};
+        use Route::{Compact as C, Direct as D, Resident as R, Ring as S};
         let four = four_weights();
+        let four_fp8: Vec<WeightProfile> = four
+            .iter()
+            .map(|w| fp8(w.wire_bytes, w.uses, w.flops))
+            .collect();
         let mut five = four.clone();
         five.push(weight(100, 3, 50.0));
         // (name, weights, limits, expected routes, resident bytes, ring bytes)
@@ -867,6 +912,32 @@ mod tests {
                 200,
             ),
             ("two fit", five, limits(400), vec![S, S, R, S, R], 200, 200),
+            // Decoded (200 bytes) none would fit beside the ring; compact, one does.
+            (
+                "FP8 weights stay compact where decoded ones would not fit",
+                four_fp8.clone(),
+                limits(399),
+                vec![S, S, C, S],
+                100,
+                200,
+            ),
+            // All four fit compact (400); the 200 bytes left decode the two least hideable.
+            (
+                "what compact weights leave decodes the least hideable",
+                four_fp8.clone(),
+                limits(600),
+                vec![C, R, R, C],
+                600,
+                0,
+            ),
+            (
+                "FP8 weights that all fit decoded stay decoded",
+                four_fp8,
+                limits(800),
+                vec![R, R, R, R],
+                800,
+                0,
+            ),
             (
                 "headroom is taken first",
                 four.clone(),

@@ -10,13 +10,13 @@ use std::sync::Arc;
 use burn::backend::Flex;
 use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Bytes, TensorData};
+use burn::tensor::{Bytes, DType, FloatDType, TensorData};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
 
 use burn_kernels::FusedOps;
 
 use crate::error::OffloadError;
-use crate::weight::{HostMemory, HostWeight};
+use crate::weight::{Encoding, HostMemory, HostWeight};
 
 /// A backend whose device can host the offload ring: [`Flex`] (on the CPU, for tests) and, with
 /// the `cuda` feature, Burn's CUDA backend without fusion. Its fused kernels
@@ -61,6 +61,38 @@ pub trait StreamTarget: FusedOps {
         weight: &HostWeight,
         device: &Self::Device,
     ) -> FloatTensor<Self>;
+
+    /// Whether the [`view`](Self::view) of `weight` reads its slot while the op runs; a view
+    /// decoded into a tensor of its own lets the slot go as soon as the decode was submitted.
+    fn view_reads_slot(_weight: &HostWeight) -> bool {
+        true
+    }
+
+    /// Bytes `weight` occupies on the device as [`upload_compact`](Self::upload_compact) keeps
+    /// it. By default the decoded size.
+    fn compact_bytes(weight: &HostWeight) -> usize {
+        weight.device_bytes()
+    }
+
+    /// Uploads `weight` in the form [`expand`](Self::expand) decodes at each use. By default
+    /// decoded, as [`upload`](Self::upload).
+    fn upload_compact(
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        Self::upload(weight, device)
+    }
+
+    /// `weight` as a tensor of its dtype, from `stored`, what
+    /// [`upload_compact`](Self::upload_compact) returned (read only by this function). By
+    /// default `stored` itself.
+    fn expand(
+        stored: &FloatTensor<Self>,
+        _weight: &HostWeight,
+        _device: &Self::Device,
+    ) -> FloatTensor<Self> {
+        stored.clone()
+    }
 
     /// `weight` in a tensor of its own that no later fill of a slot changes, given `view`, its
     /// [`view`](Self::view) of a slot: what the engine keeps between two uses.
@@ -281,6 +313,37 @@ impl StreamTarget for Flex {
         let bytes = unsafe { Bytes::from_controller(Box::new(view), len) };
         let data = TensorData::from_bytes(bytes, weight.shape.clone(), weight.dtype);
         Flex::float_from_data(data, device)
+    }
+
+    /// A weight sent as bfloat16 stays so, and is cast at each use.
+    fn compact_bytes(weight: &HostWeight) -> usize {
+        match weight.encoding {
+            Encoding::Bf16 => weight.wire_bytes(),
+            _ => weight.device_bytes(),
+        }
+    }
+
+    fn upload_compact(
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<FloatTensor<Self>, OffloadError> {
+        if weight.encoding != Encoding::Bf16 {
+            return Self::upload(weight, device);
+        }
+        let bytes = weight.memory.bytes().to_vec();
+        let data = TensorData::from_bytes_vec(bytes, weight.shape.clone(), DType::BF16);
+        Ok(Flex::float_from_data(data, device))
+    }
+
+    fn expand(
+        stored: &FloatTensor<Self>,
+        weight: &HostWeight,
+        _device: &Self::Device,
+    ) -> FloatTensor<Self> {
+        match weight.encoding {
+            Encoding::Bf16 => Flex::float_cast(stored.clone(), FloatDType::from(weight.dtype)),
+            _ => stored.clone(),
+        }
     }
 
     /// Decodes `weight` from host memory again: on the CPU, copying the slot costs as much.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use burn_offload::{
     Lookahead, MemoryPlan, Offload, OffloadConfig, OffloadError, OnDemand, PrefetchPolicy, Route,
-    ScheduleOutcome, StepStats, WeightStream,
+    ScheduleOutcome, StepStats, WeightStream, WireFormat,
 };
 use common::{DIM, Path, Recompute, bits, data, net, train};
 
@@ -439,6 +439,41 @@ fn activation_headroom_comes_out_of_the_budget() {
         .reconfigure(stream.config().with_activation_headroom(weight_bytes))
         .unwrap();
     assert!(stream.routes().iter().all(|(_, r)| *r == Route::Ring));
+}
+
+#[test]
+fn weights_that_fit_only_in_their_wire_format_stay_resident_in_it() {
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::from_data(data(7, [64, DIM], 1.0, DType::F32), &device);
+    let wire = ring_of_two()
+        .with_wire(WireFormat::Bf16)
+        .with_rates(1e9, 1e12);
+    let run = |config: OffloadConfig| {
+        let stream = WeightStream::<A>::new(&device, config).unwrap();
+        let model = stream.stream_frozen(Modulated::<A>::new(&device)).unwrap();
+        let outputs: Vec<_> = (0..2)
+            .map(|_| {
+                stream.begin_step();
+                let out = model.forward(Tensor::<A, 2>::from_data(x.to_data(), &device));
+                let out = bits(out.into_data());
+                stream.end_step();
+                out
+            })
+            .collect();
+        (outputs, stream.routes(), stream.memory_plan())
+    };
+    let (streamed, _, _) = run(wire.clone());
+    // Four matrices: 4 x DIM² f32 decoded, half that in bfloat16. The budget holds the latter
+    // and less than what decoding one of them adds.
+    let decoded = (4 * DIM * DIM * 4) as u64;
+    let (outputs, routes, plan) = run(wire.with_vram_budget(decoded / 2 + (DIM * DIM) as u64));
+    assert!(
+        routes.iter().all(|(_, r)| *r == Route::Compact),
+        "{routes:?}"
+    );
+    assert_eq!(plan.resident_bytes, decoded / 2);
+    // Cast at each use, the weights compute what the streamed bfloat16 payloads decode to.
+    assert_eq!(outputs, streamed);
 }
 
 #[test]

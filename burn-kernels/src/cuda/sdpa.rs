@@ -103,6 +103,24 @@ impl Descriptor {
         checked(status, "setting a cuDNN graph attribute")
     }
 
+    /// Reads up to `values.len()` elements of attribute `name` (of the type `kind` names) into
+    /// `values`; returns how many the attribute holds. An empty `values` only counts them.
+    fn get<T>(&self, name: Attr, kind: Type, values: &mut [T]) -> Result<i64, KernelError> {
+        let mut count = 0i64;
+        let out = if values.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            values.as_mut_ptr().cast()
+        };
+        // SAFETY: a live descriptor; `values` has room for `len` elements of the type `kind`
+        // names (each caller pairs them), written during the call.
+        let status = unsafe {
+            sys::cudnnBackendGetAttribute(self.0, name, kind, values.len() as i64, &mut count, out)
+        };
+        checked(status, "reading a cuDNN descriptor attribute")?;
+        Ok(count)
+    }
+
     /// Sets attribute `name` to the backend descriptors `values`.
     fn set_descriptors(
         &self,
@@ -344,36 +362,16 @@ impl Graph {
             let Ok(heuristics) = heuristics.finalize() else {
                 continue;
             };
-            let mut count = 0i64;
-            // SAFETY: asks for the number of results only (no array).
-            let status = unsafe {
-                sys::cudnnBackendGetAttribute(
-                    heuristics.0,
-                    Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                    Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                    0,
-                    &mut count,
-                    std::ptr::null_mut(),
-                )
-            };
-            checked(status, "counting cuDNN's engine configurations")?;
+            let results = Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS;
+            let descriptors = Type::CUDNN_TYPE_BACKEND_DESCRIPTOR;
+            let count =
+                heuristics.get::<cudnnBackendDescriptor_t>(results, descriptors, &mut [])?;
             let mut configs = (0..count)
                 .map(|_| Descriptor::new(Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
                 .collect::<Result<Vec<_>, _>>()?;
+            // cuDNN fills the engine-config descriptors created above.
             let mut raw: Vec<cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
-            let mut got = 0i64;
-            // SAFETY: `raw` holds `count` live engine-config descriptors for cuDNN to fill.
-            let status = unsafe {
-                sys::cudnnBackendGetAttribute(
-                    heuristics.0,
-                    Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                    Type::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                    count,
-                    &mut got,
-                    raw.as_mut_ptr().cast(),
-                )
-            };
-            checked(status, "reading cuDNN's engine configurations")?;
+            let got = heuristics.get(results, descriptors, &mut raw)?;
             for (i, &choice) in raw.iter().enumerate().take(got.min(count) as usize) {
                 let plan = Descriptor::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
                 plan.set(
@@ -386,19 +384,11 @@ impl Graph {
                     continue;
                 };
                 let mut workspace = 0i64;
-                let mut n = 0i64;
-                // SAFETY: one INT64 into `workspace`.
-                let status = unsafe {
-                    sys::cudnnBackendGetAttribute(
-                        plan.0,
-                        Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                        Type::CUDNN_TYPE_INT64,
-                        1,
-                        &mut n,
-                        (&mut workspace as *mut i64).cast(),
-                    )
-                };
-                checked(status, "reading a cuDNN plan's workspace size")?;
+                plan.get(
+                    Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                    Type::CUDNN_TYPE_INT64,
+                    std::slice::from_mut(&mut workspace),
+                )?;
                 return Ok(Plan {
                     plan,
                     workspace: workspace.max(0) as usize,

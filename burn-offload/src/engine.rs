@@ -124,6 +124,7 @@ struct Counters {
     views: Duration,
     peak_device_bytes: Option<u64>,
     peak_beyond_weights: Option<u64>,
+    peak_handed_out_beyond_weights: Option<u64>,
 }
 
 struct State<B: StreamTarget> {
@@ -334,13 +335,22 @@ impl<B: StreamTarget> State<B> {
     fn sample_memory(&mut self, device: &B::Device, uploading: u64) {
         let started = Instant::now();
         let memory = self.memory(device, uploading);
+        let handed_out = match self.probe {
+            Some(_) => None,
+            None => B::memory_handed_out(device),
+        };
         self.counters.memory_reads += started.elapsed();
+        let weights = self.weight_bytes(uploading);
+        let c = &mut self.counters;
         if let Some((in_use, beyond)) = memory {
-            let c = &mut self.counters;
             let peak = c.peak_device_bytes.get_or_insert(0);
             *peak = (*peak).max(in_use);
             let peak = c.peak_beyond_weights.get_or_insert(0);
             *peak = (*peak).max(beyond);
+        }
+        if let Some(handed_out) = handed_out {
+            let peak = c.peak_handed_out_beyond_weights.get_or_insert(0);
+            *peak = (*peak).max(handed_out.saturating_sub(weights));
         }
     }
 
@@ -682,6 +692,7 @@ impl<B: StreamTarget> Engine<B> {
             ring_bytes: st.ring_bytes(),
             peak_device_bytes: c.peak_device_bytes,
             peak_beyond_weights: c.peak_beyond_weights,
+            peak_handed_out_beyond_weights: c.peak_handed_out_beyond_weights,
         };
         drop(st);
         tracing::info!(
@@ -703,6 +714,9 @@ impl<B: StreamTarget> Engine<B> {
             ring_mb = stats.ring_bytes / 1_000_000,
             peak_mb = stats.peak_device_bytes.map(|b| b / 1_000_000),
             beyond_weights_mb = stats.peak_beyond_weights.map(|b| b / 1_000_000),
+            handed_out_beyond_mb = stats
+                .peak_handed_out_beyond_weights
+                .map(|b| b / 1_000_000),
             "offload step"
         );
         self.return_memory(dropped);

@@ -60,6 +60,10 @@ pub struct StepStats {
     /// that moment (resident copies, the ring, a weight being uploaded): what the step needed
     /// for everything else. Sampled with [`StepStats::peak_device_bytes`].
     pub peak_beyond_weights: Option<u64>,
+    /// Highest memory the backend's allocator had handed out beyond the engine's weight memory,
+    /// sampled with [`StepStats::peak_beyond_weights`] where the backend reports both (not with
+    /// a probe): the live tensors, without the pages the allocator keeps in reserve.
+    pub peak_handed_out_beyond_weights: Option<u64>,
 }
 
 /// How the VRAM budget is divided by the plan in force.

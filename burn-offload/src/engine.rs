@@ -825,11 +825,7 @@ impl<B: StreamTarget> Engine<B> {
                     }
                 };
                 drop(st);
-                op(if compact {
-                    B::expand(&stored, weight, &self.device)
-                } else {
-                    stored
-                })
+                op(self.resident_view(&stored, route, weight))
             }
             Route::Direct => {
                 st.counters.direct += 1;
@@ -1030,6 +1026,19 @@ impl<B: StreamTarget> Engine<B> {
         st
     }
 
+    /// The weight of the resident copy `stored` (of `route`), decoded where it is compact.
+    fn resident_view(
+        &self,
+        stored: &FloatTensor<B>,
+        route: Route,
+        weight: &HostWeight,
+    ) -> FloatTensor<B> {
+        match route {
+            Route::Compact => B::expand(stored, weight, &self.device),
+            _ => stored.clone(),
+        }
+    }
+
     /// Uploads `weight` into a tensor of its own (compact or decoded), counting the bytes and
     /// the time.
     fn upload(&self, weight: &HostWeight, compact: bool) -> FloatTensor<B> {
@@ -1054,10 +1063,7 @@ impl<B: StreamTarget> Engine<B> {
         let mut st = self.lock();
         st.counters.materialized += 1;
         if let Some((t, _, route)) = st.resident.get(&weight.id) {
-            return match route {
-                Route::Compact => B::expand(t, weight, &self.device),
-                _ => t.clone(),
-            };
+            return self.resident_view(t, *route, weight);
         }
         st.counters.materialized_bytes += weight.wire_bytes() as u64;
         drop(st);

@@ -414,9 +414,12 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
     }
     let ring = ring_bytes(&routes);
     for &(i, _, _) in &ranked {
+        if routes[i] != Route::Compact {
+            continue;
+        }
         let w = &weights[i];
         let grown = resident_bytes + w.device_bytes - w.compact_bytes;
-        if routes[i] == Route::Compact && grown + ring <= available {
+        if grown + ring <= available {
             routes[i] = Route::Resident;
             resident_bytes = grown;
         }

@@ -482,7 +482,7 @@ mod defaults {
         "none".into()
     }
     pub fn ring_slots() -> usize {
-        4
+        8
     }
     pub fn steps() -> u64 {
         1000

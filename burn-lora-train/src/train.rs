@@ -478,7 +478,17 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
             .config()
             .with_vram_budget(self.budget)
             .with_activation_headroom(need);
-        match self.stream.reconfigure(config) {
+        let slots = config.ring_slots;
+        let outcome = self.stream.reconfigure(config);
+        let kept = self.stream.config().ring_slots;
+        if kept < slots && outcome.is_ok() {
+            tracing::warn!(
+                "the ring keeps {kept} of its {slots} slots (`model.offload.ring_slots`) to fit \
+                 the {} budget",
+                gb(self.budget),
+            );
+        }
+        match outcome {
             Ok(()) => {}
             Err(OffloadError::BudgetTooSmall {
                 budget,

@@ -40,7 +40,9 @@ pub struct OffloadConfig {
     /// ([`MemoryMeasurement`](crate::MemoryMeasurement)); the engine plans the weights within
     /// the rest. 0 reserves nothing: the budget then bounds the weights alone.
     pub activation_headroom: u64,
-    /// Device buffers in the ring (at least 2: one is read while the next is filled).
+    /// Device buffers in the ring (at least 2: one is read while the next is filled). Where
+    /// the budget cannot hold them beside the activation headroom with every weight streamed,
+    /// the engine keeps fewer, down to 2.
     pub ring_slots: usize,
     /// Weights whose wire payload is smaller than this many bytes are uploaded on demand into a
     /// buffer of their own instead of going through the ring.

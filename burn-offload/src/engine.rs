@@ -543,16 +543,19 @@ impl<B: StreamTarget> Engine<B> {
         &self.device
     }
 
-    /// Replaces the configuration (validated by the caller) and replans, unless its budget
-    /// cannot hold its activation headroom beside the smallest ring the weights need
-    /// ([`policy::shortfall`]): then the configuration in force stays.
+    /// Replaces the configuration (validated by the caller), with as many of its ring slots as
+    /// its budget holds beside its activation headroom ([`policy::ring_depth`]), and replans;
+    /// where even two slots do not fit ([`policy::shortfall`]), the configuration in force
+    /// stays.
     pub fn configure(&self, config: OffloadConfig) -> Result<(), Shortfall> {
         let mut st = self.lock();
         st.weights.retain(|_, w| w.strong_count() > 0);
         let (_, profiles) = st.profiles();
-        if let Some(short) = policy::shortfall(&profiles, &plan_limits(&config)) {
-            return Err(short);
-        }
+        let ring_slots = policy::ring_depth(&profiles, &plan_limits(&config))?;
+        let config = OffloadConfig {
+            ring_slots,
+            ..config
+        };
         if config.ring_slots != st.config.ring_slots {
             st.schedule.reset();
         }

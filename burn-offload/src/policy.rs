@@ -669,6 +669,25 @@ pub fn shortfall(weights: &[WeightProfile], limits: &PlanLimits) -> Option<Short
     (short.needed() > limits.vram_budget).then_some(short)
 }
 
+/// The most ring slots, from `limits.ring_slots` down to 2, beside which `limits.vram_budget`
+/// holds `limits.activation_headroom` with every weight streamed ([`shortfall`]): the budget
+/// bounds the run, the ring's depth only speeds it up. The shortfall of the two-slot ring where
+/// even that does not fit.
+pub fn ring_depth(weights: &[WeightProfile], limits: &PlanLimits) -> Result<usize, Shortfall> {
+    let mut slots = limits.ring_slots;
+    loop {
+        let with_slots = PlanLimits {
+            ring_slots: slots,
+            ..*limits
+        };
+        match shortfall(weights, &with_slots) {
+            None => return Ok(slots),
+            Some(short) if slots <= 2 => return Err(short),
+            Some(_) => slots -= 1,
+        }
+    }
+}
+
 fn slot_bytes(weights: &[WeightProfile], routes: &[Route], slots: usize) -> u64 {
     ring_slot_bytes(
         weights
@@ -1234,6 +1253,34 @@ mod tests {
             shortfall(&small, &with(39, 40)).map(|s| s.needed()),
             Some(40)
         );
+    }
+
+    #[test]
+    fn a_ring_too_deep_for_the_budget_gives_up_slots_down_to_two() {
+        let four = vec![weight(100, 3, 0.0); 4];
+        let with = |budget| PlanLimits {
+            activation_headroom: 300,
+            ring_slots: 4,
+            ..limits(budget)
+        };
+        assert_eq!(ring_depth(&four, &with(700)), Ok(4));
+        assert_eq!(ring_depth(&four, &with(699)), Ok(3));
+        assert_eq!(ring_depth(&four, &with(600)), Ok(3));
+        assert_eq!(ring_depth(&four, &with(500)), Ok(2));
+        assert_eq!(
+            ring_depth(&four, &with(499)),
+            Err(Shortfall {
+                budget: 499,
+                headroom: 300,
+                ring: 200
+            })
+        );
+        // Without a headroom the budget bounds the weights alone: the ring keeps its slots.
+        let bare = PlanLimits {
+            activation_headroom: 0,
+            ..with(100)
+        };
+        assert_eq!(ring_depth(&four, &bare), Ok(4));
     }
 
     #[test]

@@ -48,8 +48,9 @@ impl<B: OffloadBackend> WeightStream<B> {
     ///
     /// A configuration with an activation headroom is refused with
     /// [`OffloadError::BudgetTooSmall`] when its budget cannot hold the headroom beside the
-    /// ring of a plan that streams every weight registered so far; the configuration in force
-    /// then stays.
+    /// two-slot ring of a plan that streams every weight registered so far; the configuration
+    /// in force then stays. A budget that holds fewer ring slots than asked for keeps that many
+    /// (read them back from [`WeightStream::config`]).
     pub fn reconfigure(&self, config: OffloadConfig) -> Result<(), OffloadError> {
         config.validate()?;
         self.engine

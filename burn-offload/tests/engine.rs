@@ -552,6 +552,32 @@ fn a_probe_measures_what_a_step_needs_beyond_the_weights_and_the_budget_then_hol
         assert_eq!(stats.peak_device_bytes, Some(budget));
         assert_eq!((stats.resident_bytes, stats.ring_bytes), (w, 2 * w));
     }
+
+    // A ring of four slots where the budget holds three beside the headroom: it keeps three,
+    // and every weight streams through them.
+    let budget = 3 * w + beyond;
+    stream
+        .reconfigure(
+            ring_of_two()
+                .with_rates(1e9, 1e12)
+                .with_ring_slots(4)
+                .with_vram_budget(budget)
+                .with_activation_headroom(beyond),
+        )
+        .unwrap();
+    assert_eq!(stream.config().ring_slots, 3);
+    assert_eq!(
+        (
+            stream.memory_plan().resident_weights,
+            stream.memory_plan().ring_bytes
+        ),
+        (0, 3 * w)
+    );
+    for _ in 0..2 {
+        let stats = step();
+        assert_eq!(stats.peak_device_bytes, Some(budget));
+        assert_eq!((stats.resident_bytes, stats.ring_bytes), (0, 3 * w));
+    }
 }
 
 #[test]

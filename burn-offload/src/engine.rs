@@ -744,7 +744,11 @@ impl<B: StreamTarget> Engine<B> {
         {
             st = self.shared.changed.wait(st).unwrap();
         }
-        st.ring = None;
+        if st.ring.take().is_some() {
+            // The old slots' pages go back to the device: slots of another size would not sit
+            // in them, and a step would count them beside the weights as its own need.
+            B::memory_cleanup(&self.device);
+        }
         if wanted.1 > 0 {
             let memory = B::new_ring(&self.device, wanted.0, wanted.1)
                 .unwrap_or_else(|e| panic!("allocating the offload ring: {e}"));

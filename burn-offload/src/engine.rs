@@ -727,12 +727,13 @@ impl<B: StreamTarget> Engine<B> {
     }
 
     /// Builds, rebuilds or drops the ring to match the configuration and the routes, once no
-    /// slot is being filled or read.
+    /// slot is being filled or read: slots larger than the plan's would hold device memory the
+    /// plan gave to resident weights.
     fn resize_ring<'a>(&'a self, mut st: MutexGuard<'a, State<B>>) -> MutexGuard<'a, State<B>> {
         let wanted = (st.config.ring_slots, st.wanted_slot_bytes());
         let current = st.ring.as_ref().map(|r| (r.slots.len(), r.slot_bytes));
         let fits = match current {
-            Some((n, bytes)) => wanted.1 > 0 && n == wanted.0 && bytes >= wanted.1,
+            Some((n, bytes)) => wanted.1 > 0 && n == wanted.0 && bytes == wanted.1,
             None => wanted.1 == 0,
         };
         if fits {

@@ -446,6 +446,7 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
             before,
             peak: self.stream.memory_beyond_weights().unwrap_or_default(),
             after: before,
+            settled: 0,
         };
     }
 
@@ -467,7 +468,7 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
         // The update's own transients (new values uploaded while the old are alive) left
         // their pages in the pools, which the device's count still shows.
         if let Some(now) = self.stream.memory_beyond_weights() {
-            self.measured.peak = self.measured.peak.max(now);
+            self.measured.settled = now;
         }
         let need = self.measured.headroom();
         if self.headroom.is_some_and(|planned| need <= planned) {
@@ -524,10 +525,11 @@ impl<'a, B: StreamTarget> MeasuredBudget<'a, B> {
         match self.headroom {
             None => tracing::info!(
                 "step {step} needed {} of device memory beside the frozen weights (peak {}, {} \
-                 left by the optimizer update); {split}",
+                 left by the optimizer update, {} in use after it); {split}",
                 gb(need),
                 gb(m.peak),
                 gb(m.after.saturating_sub(m.before)),
+                gb(m.settled),
             ),
             Some(planned) => tracing::warn!(
                 "step {step} needed {} of device memory beside the frozen weights, more than \

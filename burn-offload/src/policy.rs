@@ -621,15 +621,20 @@ pub struct MemoryMeasurement {
     pub peak: u64,
     /// Handed out beyond the weights after the step, its optimizer update included.
     pub after: u64,
+    /// In use beyond the weights after the optimizer update, read as `peak` is: the state the
+    /// update created, its transients' pages that the allocator keeps, and everything before.
+    pub settled: u64,
 }
 
 impl MemoryMeasurement {
-    /// The headroom later steps need: the peak, plus what the step left on the device that its
-    /// passes ran without (the optimizer state the first update creates), `after - before`
-    /// floored at 0. Later steps run their passes with that state present.
+    /// The headroom later steps need: the larger of the peak plus what the step left on the
+    /// device that its passes ran without (the optimizer state the first update creates,
+    /// `after - before` floored at 0), and the memory in use once the update settled, which
+    /// already holds that state.
     pub fn headroom(&self) -> u64 {
         self.peak
             .saturating_add(self.after.saturating_sub(self.before))
+            .max(self.settled)
     }
 }
 
@@ -1058,21 +1063,27 @@ mod tests {
 
     #[test]
     fn the_headroom_is_the_peak_plus_what_the_first_update_left() {
-        // (before, peak, after, headroom): a fresh run's first update creates the optimizer
-        // state (2 bytes here), which later passes hold on top of the peak; a resumed run had
-        // it before the step already; memory freed by the step lowers nothing.
+        // (before, peak, after, settled, headroom): a fresh run's first update creates the
+        // optimizer state (2 bytes here), which later passes hold on top of the peak; a resumed
+        // run had it before the step already; memory freed by the step lowers nothing. An
+        // update whose own memory (state and transients: 11) passes the peak with its state
+        // (12) is counted once, not with its state added again.
         let cases = [
-            ((1, 10, 3), 12),
-            ((3, 12, 3), 12),
-            ((5, 10, 2), 10),
-            ((0, 0, 0), 0),
-            ((0, u64::MAX, 1), u64::MAX),
+            ((1, 10, 3, 0), 12),
+            ((3, 12, 3, 0), 12),
+            ((5, 10, 2, 0), 10),
+            ((0, 0, 0, 0), 0),
+            ((0, u64::MAX, 1, 0), u64::MAX),
+            ((1, 10, 3, 11), 12),
+            ((1, 10, 3, 15), 15),
+            ((0, 5, 0, u64::MAX), u64::MAX),
         ];
-        for ((before, peak, after), headroom) in cases {
+        for ((before, peak, after, settled), headroom) in cases {
             let measured = MemoryMeasurement {
                 before,
                 peak,
                 after,
+                settled,
             };
             assert_eq!(measured.headroom(), headroom, "{measured:?}");
         }
@@ -1320,6 +1331,7 @@ mod tests {
             before: 20,
             peak: 150,
             after: 70,
+            settled: 120,
         };
         let limits = PlanLimits {
             activation_headroom: measured.headroom(),

@@ -28,8 +28,9 @@ pub enum Checkpointing {
     #[default]
     Blocks,
     /// As [`Blocks`](Self::Blocks), with each block's inputs in host memory from the time the
-    /// block has run until its recomputation (a thread of their own copies them out while the
-    /// forward pass goes on): the device holds one block's inputs instead of every block's.
+    /// block has run until its recomputation (read in the forward pass's order, awaited by a
+    /// thread of their own while the forward pass goes on): the device holds one block's inputs
+    /// instead of every block's.
     BlocksOnHost,
     /// Keep every activation (faster, much more memory).
     Off,
@@ -505,8 +506,8 @@ impl<B: Backend, C: CheckpointStrategy> BlockRunner<Autodiff<B, C>> for BlockTap
     }
 }
 
-/// Copies of block inputs in host memory, keyed by slot, each made by [`copier`]'s thread
-/// after the work queued so far.
+/// Copies of block inputs in host memory, keyed by slot, each asked of the backend in the
+/// forward pass's order and awaited by [`copier`]'s thread.
 struct HostCopies {
     shared: Arc<(Mutex<Copies>, Condvar)>,
 }
@@ -557,9 +558,11 @@ impl HostCopies {
         copies.in_flight += 1;
         copies.bytes += bytes;
         drop(copies);
+        // Asked for here, in this thread's order: a backend may start the copy now.
+        let read = B::float_into_data(value);
         let shared = self.shared.clone();
         let job = Box::new(move || {
-            let data = read_sync(B::float_into_data(value));
+            let data = read_sync(read);
             let mut copies = lock(&shared.0);
             copies.done.insert(slot, data);
             copies.in_flight -= 1;

@@ -5,9 +5,9 @@
 //! dataset's cache is one safetensors file, `<folder>/_burnlora_cache/<hash>.safetensors`, with
 //! `<name>.<k>` for each of the k-th item's image and caption encodings (for FLUX.1 `latent.<k>`,
 //! `pooled.<k>`, `states.<k>`) and `<name>.empty` for the empty caption's. The hash covers
-//! everything the values depend on: the family and its model (source, dtype, seed of a random
-//! one, what the family adds), and each item's image file (name, size, modification time),
-//! bucket and caption. A file whose hash differs is simply not looked at: a changed setting gets
+//! everything the values depend on: the family and its model (source, dtype, the VAE's dtype,
+//! seed of a random one, what the family adds), and each item's image file (name, size,
+//! modification time), bucket and caption. A file whose hash differs is simply not looked at: a changed setting gets
 //! a new file; a file that fails to read, or holds a non-finite value, is rebuilt with a warning.
 //! Files are written atomically. An encoder that turns an image or a caption into non-finite
 //! values stops the run with an error naming both, before anything is cached or trained.
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Instant, UNIX_EPOCH};
 
-use burn::tensor::TensorData;
+use burn::tensor::{FloatDType, TensorData};
 use burn_offload::StreamTarget;
 
 use crate::checkpoint::{read_tensors, write_tensors};
@@ -153,6 +153,10 @@ fn cache_file<F: Family>(
         plan.train.seed,
         family.cache_key(plan)
     );
+    if plan.model.vae_dtype != FloatDType::F32 {
+        // Only when not the default, so that the caches made before the setting stay valid.
+        key.push_str(&format!("vae {:?}\n", plan.model.vae_dtype));
+    }
     if let ModelSource::Random(_) = plan.model.source {
         // Random encoders that stream are made from the run's seed in host memory, the others
         // by the device's generator: different weights, different encodings.

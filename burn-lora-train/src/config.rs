@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::DType;
+use burn::tensor::{DType, FloatDType};
 use burn_diffusion::Checkpointing;
 use burn_diffusion::sdxl::TEXT_ENCODERS;
 use burn_kernels::{AttentionRoute, BlasRoute, KernelOptions, StreamOrder};
@@ -204,6 +204,11 @@ pub struct ModelYaml {
     /// Format of the frozen weights on the bus: `none` (the dtype), `e5m2` or `e4m3`.
     #[serde(default = "defaults::quantize")]
     pub quantize: String,
+    /// Compute dtype of the VAE that encodes the images before training: `f32` (as kohya's
+    /// `--no_half_vae` and diffusers' `force_upcast`) or `bf16` (half its memory, as
+    /// musubi-tuner's `--vae_dtype bfloat16`); the latents are kept in `dtype` either way.
+    #[serde(default = "defaults::vae_dtype")]
+    pub vae_dtype: String,
     /// Streaming of frozen weights from host memory.
     #[serde(default = "defaults::section")]
     pub offload: OffloadYaml,
@@ -481,6 +486,9 @@ mod defaults {
     pub fn quantize() -> String {
         "none".into()
     }
+    pub fn vae_dtype() -> String {
+        "f32".into()
+    }
     pub fn ring_slots() -> usize {
         8
     }
@@ -737,6 +745,8 @@ pub struct ModelPlan {
     pub dtype: DType,
     /// FP8 format of the frozen weights on the bus; `None` sends them in `dtype`.
     pub wire: Option<Fp8Format>,
+    /// Compute dtype of the VAE (`F32` or `BF16`).
+    pub vae_dtype: FloatDType,
     /// Device memory the run may use in bytes (weights, ring, and everything else the
     /// training keeps on the device); `Some(0)`: every frozen weight streams; `None`: every
     /// weight resident.
@@ -1469,6 +1479,17 @@ fn check_model(
             ("float32", DType::F32),
         ],
     );
+    let vae_dtype = c.choose(
+        "model.vae_dtype",
+        &m.vae_dtype,
+        &[
+            ("f32", FloatDType::F32),
+            ("fp32", FloatDType::F32),
+            ("float32", FloatDType::F32),
+            ("bf16", FloatDType::BF16),
+            ("bfloat16", FloatDType::BF16),
+        ],
+    );
     let wire = c.choose(
         "model.quantize",
         &m.quantize,
@@ -1496,6 +1517,7 @@ fn check_model(
         tokenizers: tokenizers?,
         dtype: dtype?,
         wire: wire?,
+        vae_dtype: vae_dtype?,
         vram_budget_bytes: budget?,
         ring_slots: slots?,
         transformer_2: transformer_2?,
@@ -2032,6 +2054,7 @@ mod tests {
         assert_eq!(plan.save.dtype, DType::BF16);
         assert_eq!(plan.model.source, ModelSource::Tiny);
         assert_eq!(plan.model.wire, None);
+        assert_eq!(plan.model.vae_dtype, FloatDType::F32);
         assert!(plan.datasets[0].folder.is_absolute());
         assert!(plan.datasets[0].folder.ends_with("images"));
         assert_eq!(plan.datasets[0].resolutions, vec![512]);
@@ -2128,6 +2151,25 @@ mod tests {
             error.problems[0].message.contains("off, large, all"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn the_vae_dtype_is_chosen_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |vae_dtype: &str| {
+            let yaml = MINIMAL.replace(
+                "path: tiny}",
+                &format!("path: tiny, vae_dtype: {vae_dtype}}}"),
+            );
+            let path = write(dir.path(), &yaml);
+            TrainPlan::from_yaml(&path, TrainYaml::load_with_env(&path, []).unwrap())
+        };
+        assert_eq!(with("bf16").unwrap().model.vae_dtype, FloatDType::BF16);
+        assert_eq!(with("float32").unwrap().model.vae_dtype, FloatDType::F32);
+        let error = with("f16").unwrap_err();
+        assert_eq!(error.problems.len(), 1, "{error}");
+        assert_eq!(error.problems[0].field, "model.vae_dtype");
+        assert!(error.problems[0].message.contains("bf16"), "{error}");
     }
 
     #[test]

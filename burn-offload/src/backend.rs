@@ -187,11 +187,20 @@ impl<B: StreamTarget> OffloadTensor<B> {
         }
     }
 
-    /// The values, read from host memory for a streamed weight.
-    pub(crate) async fn into_data(self) -> Result<TensorData, ExecutionError> {
-        match self.repr {
-            Repr::Device(t) => B::read_data(t).await,
-            Repr::Streamed(s) => Ok(s.weight.decode()),
+    /// The values, read from host memory for a streamed weight. A device tensor's read is
+    /// started now, in the calling thread's order, and awaited with the returned future.
+    pub(crate) fn into_data(
+        self,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        let read = match self.repr {
+            Repr::Device(t) => Ok(B::read_data(t)),
+            Repr::Streamed(s) => Err(s.weight),
+        };
+        async move {
+            match read {
+                Ok(read) => read.await,
+                Err(weight) => Ok(weight.decode()),
+            }
         }
     }
 }

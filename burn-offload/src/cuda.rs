@@ -9,11 +9,12 @@
 //! CubeCL 0.10's own upload path copies through pageable memory on the device-runner thread
 //! (0.62 GB/s measured), which is why the copies bypass it. See `DESIGN.md`.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::ExecutionError;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, FloatDType, Shape, TensorData};
+use burn::tensor::{Bytes, DType, FloatDType, Shape, TensorData};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
@@ -22,6 +23,7 @@ use cubecl::Runtime;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::{Handle, ServerError};
+use cubecl_common::bytes::{AllocationController, AllocationProperty};
 use cubecl_common::future::{DynFut, block_on};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result};
 use rayon::prelude::*;
@@ -82,18 +84,24 @@ unsafe impl Sync for PinnedMemory {}
 
 /// `bytes` in page-locked memory of `ctx`.
 fn pinned(bytes: Vec<u8>, ctx: Arc<CudaContext>) -> Result<PinnedMemory, OffloadError> {
-    let len = bytes.len();
+    let mut memory = pinned_zeros(bytes.len(), ctx)?;
+    memory.bytes_mut().copy_from_slice(&bytes);
+    Ok(memory)
+}
+
+/// `len` bytes of page-locked memory of `ctx`, zeroed.
+fn pinned_zeros(len: usize, ctx: Arc<CudaContext>) -> Result<PinnedMemory, OffloadError> {
     let ptr = if len == 0 {
         std::ptr::null_mut()
     } else {
         ctx.bind_to_thread()
             .map_err(device_error("binding the CUDA context"))?;
-        // SAFETY: a fresh allocation of `len` bytes, filled right below.
+        // SAFETY: a fresh allocation of `len` bytes, initialized right below.
         let ptr = unsafe { result::malloc_host(len, 0) }
             .map_err(device_error("allocating page-locked host memory"))?
             .cast::<u8>();
-        // SAFETY: `ptr` holds `len` bytes and does not overlap `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) };
+        // SAFETY: `ptr` holds `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
         ptr
     };
     Ok(PinnedMemory { ptr, len, ctx })
@@ -157,6 +165,8 @@ struct Uploads {
     stream: Arc<CudaStream>,
     buffers: Vec<Option<StagedUpload>>,
     next: usize,
+    /// Page-locked data copied from in place, and the event after its copy.
+    held: Vec<(TensorData, CudaEvent)>,
 }
 
 /// A staging buffer and the event after its last copy, before which it is not rewritten.
@@ -178,9 +188,19 @@ impl Uploads {
         handle: &Handle,
         bytes: &[u8],
     ) -> Result<(), OffloadError> {
+        Self::on(device, |uploads| {
+            uploads.stage_and_copy(client, handle, bytes)
+        })
+    }
+
+    /// Runs `work` with `device`'s uploads, made on the device's first upload.
+    fn on<R>(
+        device: &CudaDevice,
+        work: impl FnOnce(&mut Self) -> Result<R, OffloadError>,
+    ) -> Result<R, OffloadError> {
         static ALL: Mutex<Vec<(usize, Uploads)>> = Mutex::new(Vec::new());
         let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
-        per_device(&mut all, device, || Self::new(device))?.stage_and_copy(client, handle, bytes)
+        work(per_device(&mut all, device, || Self::new(device))?)
     }
 
     fn new(device: &CudaDevice) -> Result<Self, OffloadError> {
@@ -194,6 +214,37 @@ impl Uploads {
             stream,
             buffers: (0..Self::BUFFERS).map(|_| None).collect(),
             next: 0,
+            held: Vec::new(),
+        })
+    }
+
+    /// Copies `data`, whose bytes are page-locked, into `handle` on `device` in the calling
+    /// thread's compute order, straight from its memory; `data` is kept until the copy is done.
+    fn copy_pinned(
+        device: &CudaDevice,
+        client: &ComputeClient<CudaRuntime>,
+        handle: &Handle,
+        data: TensorData,
+    ) -> Result<(), OffloadError> {
+        Self::on(device, |uploads| {
+            uploads.held.retain(|(_, copied)| !copied.is_complete());
+            burn_kernels::cuda::copy_in_order(
+                client,
+                &uploads.side,
+                &uploads.stream,
+                handle,
+                data.as_bytes(),
+            )
+            .map_err(|e| OffloadError::Device {
+                action: "copying into device memory",
+                reason: e.to_string(),
+            })?;
+            let copied = uploads
+                .stream
+                .record_event(None)
+                .map_err(device_error("recording an upload's event"))?;
+            uploads.held.push((data, copied));
+            Ok(())
         })
     }
 
@@ -235,6 +286,125 @@ impl Uploads {
             .map_err(device_error("recording an upload's event"))?;
         *slot = Some(StagedUpload { memory, copied });
         Ok(())
+    }
+}
+
+/// Large reads of one device: page-locked buffers they land in, kept for reuse once the data
+/// read into them is dropped, and the stream of their copies. A checkpointed block's input
+/// goes to host memory and back every step; reused page-locked memory spares it a staging copy,
+/// the page faults of fresh memory and a second staging copy on the way back
+/// ([`Uploads::copy_pinned`]).
+struct Reads {
+    side: Arc<SideContext>,
+    stream: Arc<CudaStream>,
+    free: Arc<Mutex<Vec<PinnedMemory>>>,
+}
+
+impl Reads {
+    fn new(device: &CudaDevice) -> Result<Self, OffloadError> {
+        let side = side_context(device)?;
+        let stream = side
+            .context()
+            .new_stream()
+            .map_err(device_error("creating the read stream"))?;
+        Ok(Self {
+            side,
+            stream,
+            free: Arc::default(),
+        })
+    }
+
+    /// Starts copying `tensor` into page-locked memory in the calling thread's compute order;
+    /// returns the memory and the event after the copy.
+    fn start(tensor: CubeTensor<CudaRuntime>) -> Result<(ReadPages, CudaEvent), OffloadError> {
+        static ALL: Mutex<Vec<(usize, Reads)>> = Mutex::new(Vec::new());
+        let tensor = into_contiguous(tensor);
+        let len = tensor.meta.shape().num_elements() * tensor.dtype.size();
+        let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
+        let reads = per_device(&mut all, &tensor.device, || Self::new(&tensor.device))?;
+        let mut memory = reads.take(len)?;
+        burn_kernels::cuda::copy_out_in_order(
+            &tensor.client,
+            &reads.side,
+            &reads.stream,
+            &tensor.handle,
+            &mut memory.bytes_mut()[..len],
+        )
+        .map_err(|e| OffloadError::Device {
+            action: "copying into host memory",
+            reason: e.to_string(),
+        })?;
+        let copied = reads
+            .stream
+            .record_event(None)
+            .map_err(device_error("recording a read's event"))?;
+        let pages = ReadPages {
+            memory: Some(memory),
+            len,
+            free: reads.free.clone(),
+        };
+        Ok((pages, copied))
+    }
+
+    /// A free buffer of at least `len` bytes (and at most twice that), else a new one.
+    fn take(&self, len: usize) -> Result<PinnedMemory, OffloadError> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let fitting = free
+            .iter()
+            .enumerate()
+            .filter(|(_, memory)| memory.len >= len && memory.len <= 2 * len)
+            .min_by_key(|(_, memory)| memory.len)
+            .map(|(at, _)| at);
+        match fitting {
+            Some(at) => Ok(free.swap_remove(at)),
+            None => pinned_zeros(len, self.side.context().clone()),
+        }
+    }
+}
+
+/// The page-locked memory of a read tensor's bytes, back among its device's free buffers when
+/// the bytes are dropped.
+struct ReadPages {
+    memory: Option<PinnedMemory>,
+    len: usize,
+    free: Arc<Mutex<Vec<PinnedMemory>>>,
+}
+
+impl ReadPages {
+    fn memory(&self) -> &PinnedMemory {
+        self.memory.as_ref().expect("held until dropped")
+    }
+}
+
+impl AllocationController for ReadPages {
+    /// `cuMemHostAlloc` returns page-aligned memory.
+    fn alloc_align(&self) -> usize {
+        4096
+    }
+
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Pinned
+    }
+
+    unsafe fn memory_mut(&mut self) -> &mut [MaybeUninit<u8>] {
+        // SAFETY: in bounds of the allocation, which `self` owns.
+        unsafe { std::slice::from_raw_parts_mut(self.memory().ptr.cast(), self.len) }
+    }
+
+    fn memory(&self) -> &[MaybeUninit<u8>] {
+        // SAFETY: in bounds of the allocation, which `self` owns.
+        unsafe { std::slice::from_raw_parts(self.memory().ptr.cast(), self.len) }
+    }
+}
+
+impl Drop for ReadPages {
+    fn drop(&mut self) {
+        if let Some(memory) = self.memory.take() {
+            self.free
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(memory);
+        }
     }
 }
 
@@ -520,41 +690,44 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         }
         let client = CudaRuntime::client(device);
         let handle = client.empty(bytes.len());
-        Uploads::copy(device, &client, &handle, bytes).unwrap_or_else(|e| panic!("{e}"));
-        CubeTensor::new_contiguous(
-            client,
-            device.clone(),
-            data.shape.clone(),
-            handle,
-            data.dtype,
-        )
+        let (shape, dtype) = (data.shape.clone(), data.dtype);
+        let copied = if data.bytes.property() == AllocationProperty::Pinned {
+            Uploads::copy_pinned(device, &client, &handle, data)
+        } else {
+            Uploads::copy(device, &client, &handle, bytes)
+        };
+        copied.unwrap_or_else(|e| panic!("{e}"));
+        CubeTensor::new_contiguous(client, device.clone(), shape, handle, dtype)
     }
 
-    /// Small tensors through Burn's own read; larger ones as a gradient is downloaded (through
-    /// page-locked staging on a stream of their own), several times faster than CubeCL's path.
-    async fn read_data(tensor: FloatTensor<Self>) -> Result<TensorData, ExecutionError> {
+    /// Small tensors through Burn's own read; larger ones copied in the calling thread's compute
+    /// order, when this is called, straight into reused page-locked memory ([`Reads`]) that the
+    /// returned data keeps: several times faster than CubeCL's path, and the host waits for the
+    /// copy only when it awaits the data.
+    fn read_data(
+        tensor: FloatTensor<Self>,
+    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
         let len = tensor.meta.shape().num_elements() * tensor.dtype.size();
-        if len <= SMALL {
-            return Self::float_into_data(tensor).await;
-        }
-        let (shape, dtype) = (tensor.meta.shape().clone(), tensor.dtype);
-        let read = || -> Result<Vec<u8>, OffloadError> {
-            // One staging buffer per device for the reads, made on the first.
-            static READS: Mutex<Vec<(usize, CudaStaging)>> = Mutex::new(Vec::new());
-            let mut reads = READS.lock().unwrap_or_else(|p| p.into_inner());
-            let device = tensor.device.clone();
-            let staging = per_device(&mut reads, &device, || Self::download_staging(&device))?;
-            let download = Self::start_download(tensor)?;
-            let mut bytes = Vec::with_capacity(len);
-            Self::finish_download(download, staging, &mut |piece| {
-                bytes.extend_from_slice(piece)
-            })?;
-            Ok(bytes)
+        let read: DynFut<Result<TensorData, ExecutionError>> = if len <= SMALL {
+            Box::pin(Self::float_into_data(tensor))
+        } else {
+            let (shape, dtype) = (tensor.meta.shape().clone(), tensor.dtype);
+            let started = Reads::start(tensor);
+            Box::pin(async move {
+                let failed = |e: OffloadError| ExecutionError::WithContext {
+                    reason: e.to_string(),
+                };
+                let (pages, copied) = started.map_err(failed)?;
+                copied
+                    .synchronize()
+                    .map_err(device_error("waiting for a read"))
+                    .map_err(failed)?;
+                // SAFETY: the copy, complete now, wrote all `len` bytes of the pages.
+                let bytes = unsafe { Bytes::from_controller(Box::new(pages), len) };
+                Ok(TensorData::from_bytes(bytes, shape, dtype))
+            })
         };
-        let bytes = read().map_err(|e| ExecutionError::WithContext {
-            reason: e.to_string(),
-        })?;
-        Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+        read
     }
 
     fn fence(device: &CudaDevice) -> Option<Self::Fence> {

@@ -152,6 +152,35 @@ pub fn copy_in_order(
     )
 }
 
+/// Copies the Burn buffer `handle` into `dst` on `stream`, in the calling thread's compute order
+/// (`order.rs`): the copy starts after every kernel this thread queued before (the ones that
+/// wrote the buffer included), and every kernel queued after waits for it, so the buffer may be
+/// released right after this returns. The host does not wait for the GPU. `dst` must be
+/// page-locked, at most as long as the buffer, and neither read nor freed until `stream` has run
+/// the copy.
+pub fn copy_out_in_order(
+    client: &ComputeClient<CudaRuntime>,
+    side: &SideContext,
+    stream: &CudaStream,
+    handle: &Handle,
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
+    order::ordered(
+        client,
+        side,
+        stream,
+        crate::StreamOrder::Device,
+        [handle],
+        |[src]| {
+            // SAFETY: `src` is the address of `handle`, a live buffer of at least `dst.len()`
+            // bytes, complete before the copy starts and not rewritten before it ends (the
+            // ordering); the caller keeps `dst` until `stream` has run the copy.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+                .map_err(KernelError::device("copying into host memory"))
+        },
+    )
+}
+
 /// The device address of a Burn buffer, `None` when CubeCL cannot resolve it.
 pub fn address(client: &ComputeClient<CudaRuntime>, handle: &Handle) -> Option<u64> {
     client

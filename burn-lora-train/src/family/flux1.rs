@@ -27,8 +27,8 @@ use burn_offload::{Offload, StreamTarget, WeightStream};
 use super::flow::FlowPair;
 use super::{
     Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents,
-    encoder_stream, f32_vae, into_stream, load_denoiser, mse_gradients, random_model, source_name,
-    streamed,
+    encoder_stream, into_stream, load_denoiser, mse_gradients, random_model, source_name, streamed,
+    vae,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -194,7 +194,7 @@ impl Family for Flux1 {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = f32_vae::<Offload<B>>(plan, device, VaeConfig::flux())?;
+        let vae = vae::<Offload<B>>(plan, device, VaeConfig::flux())?;
         encode_vae_latents(vae, plan, dataset, items, LATENT, device)
     }
 

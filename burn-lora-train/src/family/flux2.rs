@@ -15,7 +15,7 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, Tensor};
 use burn_diffusion::BlockTape;
 use burn_diffusion::flux2::{Flux2, Flux2Checkpoint, Flux2Config, Flux2Input};
 use burn_diffusion::materialize;
@@ -150,13 +150,13 @@ impl Flux2Family {
         }
     }
 
-    /// The VAE, on `device` in f32 whatever the model's dtype (as FLUX.1's).
+    /// The VAE, on `device` in `model.vae_dtype` whatever the model's dtype (as FLUX.1's).
     fn vae<B: Kernels>(
         &self,
         plan: &TrainPlan,
         device: &B::Device,
     ) -> Result<AutoencoderKl<B>, TrainError> {
-        let dtype = FloatDType::F32;
+        let dtype = plan.model.vae_dtype;
         B::seed(device, plan.train.seed ^ 1);
         Ok(match &plan.model.source {
             ModelSource::Tiny => {

@@ -341,18 +341,17 @@ fn encode_by_bucket<B: Kernels, const D: usize, const D2: usize>(
         .collect())
 }
 
-/// The VAE of `preset`'s kind for `plan`'s model, on `device` in f32 whatever the model's dtype,
-/// as kohya's `--no_half_vae` and diffusers' `force_upcast` run it: it encodes each image once
-/// (the latents are cached), and in bf16 on CUDA Burn 0.21's convolution turns part of the
-/// first layer's output (3 input channels) into NaN (benches/RESULTS.md,
-/// `examples/vae_check.rs`). `tiny` builds a small random one seeded from the run's seed,
-/// `random:` the preset with random weights, files load the `vae` component.
-pub fn f32_vae<B: Kernels>(
+/// The VAE of `preset`'s kind for `plan`'s model, on `device` in `model.vae_dtype` whatever the
+/// model's dtype (f32 by default, as kohya's `--no_half_vae` and diffusers' `force_upcast` run
+/// it: it encodes each image once, and the latents are cached). `tiny` builds a small random
+/// one seeded from the run's seed, `random:` the preset with random weights, files load the
+/// `vae` component.
+pub fn vae<B: Kernels>(
     plan: &TrainPlan,
     device: &B::Device,
     preset: VaeConfig,
 ) -> Result<AutoencoderKl<B>, TrainError> {
-    let dtype = FloatDType::F32;
+    let dtype = plan.model.vae_dtype;
     B::seed(device, plan.train.seed ^ 1);
     Ok(match &plan.model.source {
         ModelSource::Tiny => {
@@ -374,11 +373,11 @@ pub fn f32_vae<B: Kernels>(
     })
 }
 
-/// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in f32, kept in the
-/// model's dtype) of the images of `items`, one image at a time, each under `name`; the VAE is
+/// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in the VAE's dtype,
+/// kept in the model's dtype) of the images of `items`, one image at a time, each under `name`; the VAE is
 /// dropped before returning.
 ///
-/// One at a time: the f32 activations of one 1024² image take gigabytes, and the encoders run
+/// One at a time: the activations of one 1024² image take gigabytes, and the encoders run
 /// before the run's budget is measured; CubeCL tunes a kernel on its first use by running
 /// every candidate on the whole input, so on a fresh machine a larger batch also lengthens the
 /// tuning, and one image per call keeps one shape per bucket.

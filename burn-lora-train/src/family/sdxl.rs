@@ -34,8 +34,8 @@ use burn_quant::Checkpoint;
 
 use super::ddpm::{DdpmPair, DdpmSchedule, sample_timesteps};
 use super::{
-    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, f32_vae,
-    into_stream, load_denoiser, mse_gradients, random_model, source_name, tokenizers_key,
+    Encoded, Family, Sample, Schema, TrainBackend, check_caption, encode_vae_latents, into_stream,
+    load_denoiser, mse_gradients, random_model, source_name, tokenizers_key, vae,
 };
 use crate::config::{ModelSource, TrainPlan};
 use crate::dataset::Dataset;
@@ -270,7 +270,7 @@ impl Family for Sdxl {
         items: &[usize],
         device: &B::Device,
     ) -> Result<Vec<Encoded>, TrainError> {
-        let vae = f32_vae::<Offload<B>>(plan, device, VaeConfig::sdxl())?;
+        let vae = vae::<Offload<B>>(plan, device, VaeConfig::sdxl())?;
         let mut encoded = encode_vae_latents(vae, plan, dataset, items, LATENT, device)?;
         for (encoding, &i) in encoded.iter_mut().zip(items) {
             encoding.insert(TIME_IDS.to_string(), time_ids(dataset, i));

@@ -15,7 +15,7 @@
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_diffusion::LoadError;
 use burn_diffusion::pipeline::encode_wan_prompt;
 use burn_diffusion::t5::{T5Config, T5Encoder};
@@ -157,14 +157,14 @@ impl Wan {
         })
     }
 
-    /// The VAE on `device` in f32: tiny, the model's shape with random weights, or the `vae`
-    /// component.
+    /// The VAE on `device` in `model.vae_dtype`: tiny, the model's shape with random weights,
+    /// or the `vae` component.
     fn vae<B: FusedOps>(
         &self,
         plan: &TrainPlan,
         device: &B::Device,
     ) -> Result<WanVae<B>, TrainError> {
-        let dtype = FloatDType::F32;
+        let dtype = plan.model.vae_dtype;
         let seed = plan.train.seed ^ 1;
         B::seed(device, seed);
         let config = &self.vae;

@@ -322,6 +322,12 @@ impl Reads {
         let len = tensor.meta.shape().num_elements() * tensor.dtype.size();
         let mut all = ALL.lock().unwrap_or_else(|p| p.into_inner());
         let reads = per_device(&mut all, &tensor.device, || Self::new(&tensor.device))?;
+        // Resolving the buffer first puts this thread's stream after the one that wrote it, when
+        // another thread did: the copy's ordering below covers only this thread's work.
+        address(&tensor.client, &tensor.handle).ok_or_else(|| OffloadError::Device {
+            action: "locating a tensor to read",
+            reason: "CubeCL does not resolve its buffer".into(),
+        })?;
         let mut memory = reads.take(len)?;
         burn_kernels::cuda::copy_out_in_order(
             &tensor.client,

@@ -1335,7 +1335,7 @@ mod tests {
                 .into_data()
                 .assert_approx_eq::<f32>(
                     &reference(&conv, x).into_data(),
-                    Tolerance::absolute(1e-5),
+                    Tolerance::rel_abs(1e-6, 1e-5),
                 );
         }
     }
@@ -1353,7 +1353,7 @@ mod tests {
             .collect();
         Tensor::cat(chunks, 1).into_data().assert_approx_eq::<f32>(
             &conv.forward(x, None).into_data(),
-            Tolerance::absolute(1e-5),
+            Tolerance::rel_abs(1e-6, 1e-5),
         );
     }
 

@@ -18,7 +18,7 @@ use burn::tensor::{Bytes, DType, FloatDType, Shape, TensorData};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use burn_kernels::cuda::{SideContext, address, drain};
+use burn_kernels::cuda::{HostCopy, SideContext, address, drain};
 use cubecl::Runtime;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -228,21 +228,8 @@ impl Uploads {
     ) -> Result<(), OffloadError> {
         Self::on(device, |uploads| {
             uploads.held.retain(|(_, copied)| !copied.is_complete());
-            burn_kernels::cuda::copy_in_order(
-                client,
-                &uploads.side,
-                &uploads.stream,
-                handle,
-                data.as_bytes(),
-            )
-            .map_err(|e| OffloadError::Device {
-                action: "copying into device memory",
-                reason: e.to_string(),
-            })?;
-            let copied = uploads
-                .stream
-                .record_event(None)
-                .map_err(device_error("recording an upload's event"))?;
+            let copy = HostCopy::ToDevice(data.as_bytes());
+            let copied = copy_in_order(client, &uploads.side, &uploads.stream, handle, copy)?;
             uploads.held.push((data, copied));
             Ok(())
         })
@@ -275,15 +262,8 @@ impl Uploads {
             .par_chunks_mut(COPY_PIECE)
             .zip(bytes.par_chunks(COPY_PIECE))
             .for_each(|(to, from)| to.copy_from_slice(from));
-        burn_kernels::cuda::copy_in_order(client, &self.side, &self.stream, handle, staged)
-            .map_err(|e| OffloadError::Device {
-                action: "copying into device memory",
-                reason: e.to_string(),
-            })?;
-        let copied = self
-            .stream
-            .record_event(None)
-            .map_err(device_error("recording an upload's event"))?;
+        let copy = HostCopy::ToDevice(staged);
+        let copied = copy_in_order(client, &self.side, &self.stream, handle, copy)?;
         *slot = Some(StagedUpload { memory, copied });
         Ok(())
     }
@@ -329,21 +309,14 @@ impl Reads {
             reason: "CubeCL does not resolve its buffer".into(),
         })?;
         let mut memory = reads.take(len)?;
-        burn_kernels::cuda::copy_out_in_order(
+        let copy = HostCopy::ToHost(&mut memory.bytes_mut()[..len]);
+        let copied = copy_in_order(
             &tensor.client,
             &reads.side,
             &reads.stream,
             &tensor.handle,
-            &mut memory.bytes_mut()[..len],
-        )
-        .map_err(|e| OffloadError::Device {
-            action: "copying into host memory",
-            reason: e.to_string(),
-        })?;
-        let copied = reads
-            .stream
-            .record_event(None)
-            .map_err(device_error("recording a read's event"))?;
+            copy,
+        )?;
         let pages = ReadPages {
             memory: Some(memory),
             len,
@@ -412,6 +385,26 @@ impl Drop for ReadPages {
                 .push(memory);
         }
     }
+}
+
+/// Runs `copy` on `stream` in the calling thread's compute order
+/// ([`burn_kernels::cuda::copy_in_order`]); returns the event after it.
+fn copy_in_order(
+    client: &ComputeClient<CudaRuntime>,
+    side: &SideContext,
+    stream: &CudaStream,
+    handle: &Handle,
+    copy: HostCopy<'_>,
+) -> Result<CudaEvent, OffloadError> {
+    burn_kernels::cuda::copy_in_order(client, side, stream, handle, copy).map_err(|e| {
+        OffloadError::Device {
+            action: "copying between host and device memory",
+            reason: e.to_string(),
+        }
+    })?;
+    stream
+        .record_event(None)
+        .map_err(device_error("recording a copy's event"))
 }
 
 /// Bytes each core copies at a time into a staging buffer.

@@ -124,17 +124,28 @@ pub fn drain(client: &ComputeClient<CudaRuntime>) {
     block_on(client.sync()).unwrap_or_else(|e| panic!("waiting for the compute stream: {e:?}"));
 }
 
-/// Copies `bytes` into the Burn buffer `handle` on `stream`, in the calling thread's compute
-/// order (`order.rs`): the copy starts after every kernel this thread queued before (those of
-/// the buffer's previous tenant included), and every kernel queued after waits for it, without
-/// the host waiting for the GPU. `bytes` must be page-locked (from pageable memory the driver
-/// would wait for the stream first) and stay untouched until `stream` has run the copy.
+/// A copy between page-locked host memory and a Burn buffer.
+pub enum HostCopy<'a> {
+    /// These bytes into the buffer.
+    ToDevice(&'a [u8]),
+    /// The buffer's first bytes into these.
+    ToHost(&'a mut [u8]),
+}
+
+/// Runs `copy` between host memory and the Burn buffer `handle` on `stream`, in the calling
+/// thread's compute order (`order.rs`): the copy starts after every kernel this thread queued
+/// before (those that wrote the buffer, or read its previous tenant, included), and every kernel
+/// queued after waits for it, without the host waiting for the GPU; the buffer may be released
+/// right after this returns. The host memory must be page-locked (from pageable memory the
+/// driver would wait for the stream first), at most as long as the buffer, and left alone
+/// (neither written, nor read after a copy to the host, nor freed) until `stream` has run the
+/// copy.
 pub fn copy_in_order(
     client: &ComputeClient<CudaRuntime>,
     side: &SideContext,
     stream: &CudaStream,
     handle: &Handle,
-    bytes: &[u8],
+    copy: HostCopy<'_>,
 ) -> Result<(), KernelError> {
     order::ordered(
         client,
@@ -142,41 +153,22 @@ pub fn copy_in_order(
         stream,
         crate::StreamOrder::Device,
         [handle],
-        |[dst]| {
-            // SAFETY: `dst` is the address of `handle`, a live buffer of at least
-            // `bytes.len()` bytes, which no kernel reads before the copy is done (the
-            // ordering); the caller keeps `bytes` until `stream` has run the copy.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
-                .map_err(KernelError::device("copying into device memory"))
-        },
-    )
-}
-
-/// Copies the Burn buffer `handle` into `dst` on `stream`, in the calling thread's compute order
-/// (`order.rs`): the copy starts after every kernel this thread queued before (the ones that
-/// wrote the buffer included), and every kernel queued after waits for it, so the buffer may be
-/// released right after this returns. The host does not wait for the GPU. `dst` must be
-/// page-locked, at most as long as the buffer, and neither read nor freed until `stream` has run
-/// the copy.
-pub fn copy_out_in_order(
-    client: &ComputeClient<CudaRuntime>,
-    side: &SideContext,
-    stream: &CudaStream,
-    handle: &Handle,
-    dst: &mut [u8],
-) -> Result<(), KernelError> {
-    order::ordered(
-        client,
-        side,
-        stream,
-        crate::StreamOrder::Device,
-        [handle],
-        |[src]| {
-            // SAFETY: `src` is the address of `handle`, a live buffer of at least `dst.len()`
-            // bytes, complete before the copy starts and not rewritten before it ends (the
-            // ordering); the caller keeps `dst` until `stream` has run the copy.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
-                .map_err(KernelError::device("copying into host memory"))
+        |[buffer]| {
+            let copied = match copy {
+                // SAFETY: `buffer` is the address of `handle`, a live buffer at least as long as
+                // the host memory, which no kernel reads or writes while the copy runs (the
+                // ordering); the caller keeps the host memory until `stream` has run the copy.
+                HostCopy::ToDevice(bytes) => unsafe {
+                    cudarc::driver::result::memcpy_htod_async(buffer, bytes, stream.cu_stream())
+                },
+                // SAFETY: as above.
+                HostCopy::ToHost(bytes) => unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(bytes, buffer, stream.cu_stream())
+                },
+            };
+            copied.map_err(KernelError::device(
+                "copying between host and device memory",
+            ))
         },
     )
 }

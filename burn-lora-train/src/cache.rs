@@ -7,8 +7,9 @@
 //! `pooled.<k>`, `states.<k>`) and `<name>.empty` for the empty caption's. The hash covers
 //! everything the values depend on: the family and its model (source, dtype, the VAE's dtype,
 //! seed of a random one, what the family adds), and each item's image file (name, size,
-//! modification time), bucket and caption. A file whose hash differs is simply not looked at: a changed setting gets
-//! a new file; a file that fails to read, or holds a non-finite value, is rebuilt with a warning.
+//! modification time), bucket and caption. A file whose hash differs is simply not looked at: a
+//! changed setting gets a new file; a file that fails to read, or holds a non-finite value, is
+//! rebuilt with a warning.
 //! Files are written atomically. An encoder that turns an image or a caption into non-finite
 //! values stops the run with an error naming both, before anything is cached or trained.
 //!

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use burn::backend::Flex;
 use burn_lora::{AdapterSet, Role};
@@ -26,7 +27,13 @@ pub fn example_plan(file: &str, output: &Path, steps: u64) -> TrainPlan {
     plan
 }
 
+/// Taken by every run: Burn's random generator is one per process, and each run seeds it, so
+/// two runs at once in one test binary would draw from each other's sequences.
+static TURN: Mutex<()> = Mutex::new(());
+
+/// `plan` trained on the CPU, one run at a time within the test binary.
 pub fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
+    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     train::<Flex>(plan, resume, &StopFlag::default(), &Default::default())
 }
 

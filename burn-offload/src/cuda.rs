@@ -47,6 +47,16 @@ fn side_context(device: &CudaDevice) -> Result<Arc<SideContext>, OffloadError> {
     })
 }
 
+/// `device`'s side context and a new stream of its own (`action` names its creation in errors).
+fn side_stream(
+    device: &CudaDevice,
+    action: &'static str,
+) -> Result<(Arc<SideContext>, Arc<CudaStream>), OffloadError> {
+    let side = side_context(device)?;
+    let stream = side.context().new_stream().map_err(device_error(action))?;
+    Ok((side, stream))
+}
+
 /// The CUDA context and the copy stream of `device`, shared by the rings and the direct path.
 fn copy_stream(device: &CudaDevice) -> Result<(Arc<CudaContext>, Arc<CudaStream>), OffloadError> {
     let side = side_context(device)?;
@@ -84,24 +94,37 @@ unsafe impl Sync for PinnedMemory {}
 
 /// `bytes` in page-locked memory of `ctx`.
 fn pinned(bytes: Vec<u8>, ctx: Arc<CudaContext>) -> Result<PinnedMemory, OffloadError> {
-    let mut memory = pinned_zeros(bytes.len(), ctx)?;
-    memory.bytes_mut().copy_from_slice(&bytes);
-    Ok(memory)
+    page_locked(bytes.len(), ctx, |ptr, len| {
+        // SAFETY: `ptr` holds `len` bytes, a fresh allocation that `bytes` does not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) }
+    })
 }
 
 /// `len` bytes of page-locked memory of `ctx`, zeroed.
 fn pinned_zeros(len: usize, ctx: Arc<CudaContext>) -> Result<PinnedMemory, OffloadError> {
+    page_locked(len, ctx, |ptr, len| {
+        // SAFETY: `ptr` holds `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) }
+    })
+}
+
+/// `len` bytes of page-locked memory of `ctx`, initialized by `fill(ptr, len)`, which must
+/// write all of them.
+fn page_locked(
+    len: usize,
+    ctx: Arc<CudaContext>,
+    fill: impl FnOnce(*mut u8, usize),
+) -> Result<PinnedMemory, OffloadError> {
     let ptr = if len == 0 {
         std::ptr::null_mut()
     } else {
         ctx.bind_to_thread()
             .map_err(device_error("binding the CUDA context"))?;
-        // SAFETY: a fresh allocation of `len` bytes, initialized right below.
+        // SAFETY: a fresh allocation of `len` bytes, which `fill` initializes right below.
         let ptr = unsafe { result::malloc_host(len, 0) }
             .map_err(device_error("allocating page-locked host memory"))?
             .cast::<u8>();
-        // SAFETY: `ptr` holds `len` bytes.
-        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        fill(ptr, len);
         ptr
     };
     Ok(PinnedMemory { ptr, len, ctx })
@@ -204,11 +227,7 @@ impl Uploads {
     }
 
     fn new(device: &CudaDevice) -> Result<Self, OffloadError> {
-        let side = side_context(device)?;
-        let stream = side
-            .context()
-            .new_stream()
-            .map_err(device_error("creating the upload stream"))?;
+        let (side, stream) = side_stream(device, "creating the upload stream")?;
         Ok(Self {
             side,
             stream,
@@ -255,7 +274,7 @@ impl Uploads {
         };
         let mut memory = match reused {
             Some(memory) => memory,
-            None => pinned(vec![0; bytes.len()], self.side.context().clone())?,
+            None => pinned_zeros(bytes.len(), self.side.context().clone())?,
         };
         let staged = &mut memory.bytes_mut()[..bytes.len()];
         staged
@@ -282,11 +301,7 @@ struct Reads {
 
 impl Reads {
     fn new(device: &CudaDevice) -> Result<Self, OffloadError> {
-        let side = side_context(device)?;
-        let stream = side
-            .context()
-            .new_stream()
-            .map_err(device_error("creating the read stream"))?;
+        let (side, stream) = side_stream(device, "creating the read stream")?;
         Ok(Self {
             side,
             stream,
@@ -756,7 +771,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         let stream = ctx
             .new_stream()
             .map_err(device_error("creating the download stream"))?;
-        let memory = pinned(vec![0; STAGING], ctx)?;
+        let memory = pinned_zeros(STAGING, ctx)?;
         Ok(CudaStaging { memory, stream })
     }
 

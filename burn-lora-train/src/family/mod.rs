@@ -374,8 +374,8 @@ pub fn vae<B: Kernels>(
 }
 
 /// `vae`'s normalized latents ([`AutoencoderKl::encode_latents`], computed in the VAE's dtype,
-/// kept in the model's dtype) of the images of `items`, one image at a time, each under `name`; the VAE is
-/// dropped before returning.
+/// kept in the model's dtype) of the images of `items`, one image at a time, each under
+/// `name`; the VAE is dropped before returning.
 ///
 /// One at a time: the activations of one 1024² image take gigabytes, and the encoders run
 /// before the run's budget is measured; CubeCL tunes a kernel on its first use by running

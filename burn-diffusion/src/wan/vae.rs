@@ -148,7 +148,8 @@ impl<B: FusedOps> WanVae<B> {
     }
 
     /// The mean of the latent distribution of `video`, computed in the weights' dtype: the
-    /// first frame alone, then 4 frames at a time.
+    /// first frame alone, then 4 frames at a time, the backend's unused memory freed after
+    /// each chunk so that one chunk's activations are not held beside the next's.
     ///
     /// # Shapes
     /// - `video`: `[batch, 3, frames, height, width]`; output:
@@ -184,9 +185,11 @@ impl<B: FusedOps> WanVae<B> {
                     0 => (0, 1),
                     _ => (1 + CHUNK_FRAMES * (i - 1), CHUNK_FRAMES),
                 };
-                cache.restart();
-                self.encoder
-                    .forward(x.clone().narrow(1, start, length), &mut cache)
+                let latent = self
+                    .encoder
+                    .forward(x.clone().narrow(1, start, length), &mut cache);
+                B::memory_cleanup(&latent.device());
+                latent
             })
             .collect();
         let moments = self.quant_conv.forward(Tensor::cat(chunks, 1), None);
@@ -959,6 +962,32 @@ pub enum WanDownLayer<B: Backend> {
     Level(WanResidualDownBlock<B>),
 }
 
+impl<B: FusedOps> WanDownLayer<B> {
+    /// The layer applied to `x`, its causal convolutions after the frames `cache` holds.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, frames, channels, height, width]`; output: `[batch, frames',
+    ///   channels', height', width']`
+    pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
+        match self {
+            Self::Residual(block) => block.forward(x, cache),
+            Self::Resample(resample) => resample.forward(x, cache, false),
+            Self::Level(level) => level.forward(x, cache),
+        }
+    }
+
+    /// Whether the layer halves the frames, and so mixes frames other than through causal
+    /// convolutions.
+    fn downsamples_time(&self) -> bool {
+        let resample = match self {
+            Self::Residual(_) => None,
+            Self::Resample(resample) => Some(resample),
+            Self::Level(level) => level.downsampler.as_ref(),
+        };
+        resample.is_some_and(|r| r.resample.0.mode == ResampleMode::Downsample3d)
+    }
+}
+
 /// A level of Wan 2.2's encoder: residual blocks and a downsampler (none at the coarsest
 /// level), plus the level's input averaged into their output's shape (diffusers'
 /// `WanResidualDownBlock`).
@@ -1066,18 +1095,33 @@ impl<B: FusedOps> WanEncoder3d<B> {
 
     /// One chunk of the clip, after the chunks `cache` has seen.
     ///
+    /// The layers before the first that downsamples in time treat each frame on its own but
+    /// for their causal convolutions, which take earlier frames from `cache`; they run one
+    /// frame at a time, so the largest activations, those at full resolution, are a frame's
+    /// rather than a chunk's. The result is the same.
+    ///
     /// # Shapes
     /// - `x`: `[batch, frames, 3 · patch², height, width]`; output: `[batch, frames',
     ///   2 · z_dim, height / 8, width / 8]`
     pub fn forward(&self, x: Tensor<B, 5>, cache: &mut FrameCache<B>) -> Tensor<B, 5> {
-        let mut x = self.conv_in.forward_cached(x, cache.slot());
-        for layer in &self.down_blocks {
-            x = match layer {
-                WanDownLayer::Residual(block) => block.forward(x, cache),
-                WanDownLayer::Resample(resample) => resample.forward(x, cache, false),
-                WanDownLayer::Level(level) => level.forward(x, cache),
-            };
-        }
+        let by_frame = self
+            .down_blocks
+            .iter()
+            .position(WanDownLayer::downsamples_time)
+            .unwrap_or(self.down_blocks.len());
+        let (by_frame, by_chunk) = self.down_blocks.split_at(by_frame);
+        let frames = (0..x.dims()[1])
+            .map(|frame| {
+                cache.restart();
+                let x = self
+                    .conv_in
+                    .forward_cached(x.clone().narrow(1, frame, 1), cache.slot());
+                by_frame.iter().fold(x, |x, layer| layer.forward(x, cache))
+            })
+            .collect();
+        let x = by_chunk
+            .iter()
+            .fold(Tensor::cat(frames, 1), |x, layer| layer.forward(x, cache));
         let x = self.mid_block.forward(x, cache);
         self.conv_out
             .forward_cached(silu(self.norm_out.forward(x)), cache.slot())

@@ -34,7 +34,9 @@ use crate::fused::ConvGrad;
 use crate::options::{BlasRoute, KernelOptions};
 
 /// The largest workspace an algorithm may ask for; cuDNN's next choice is taken above it.
-const WORKSPACE_LIMIT: usize = 1 << 30;
+/// 256 MiB keeps a convolution's scratch a small part of the budgets the trainer runs in
+/// (the backend's pool keeps a large allocation's page after it is freed).
+const WORKSPACE_LIMIT: usize = 256 << 20;
 
 /// A cuDNN handle bound to its own stream on one device.
 pub(crate) struct Dnn {

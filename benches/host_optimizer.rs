@@ -60,7 +60,7 @@ fn main() {
         for _ in 0..6 {
             let start = Instant::now();
             net = optimizer
-                .step_with_host_gradients(net, GradientsParams::new(), &host, 1e-4)
+                .step_with_host_gradients(net, GradientsParams::new(), &host, 1e-4, 1)
                 .0;
             seconds.push(start.elapsed().as_secs_f64());
         }

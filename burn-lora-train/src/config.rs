@@ -237,9 +237,12 @@ pub struct TrainSectionYaml {
     /// Samples per micro-batch.
     #[serde(default = "defaults::one")]
     pub batch_size: usize,
-    /// Micro-batches per optimizer step.
+    /// Micro-batches per optimizer step (on each device).
     #[serde(default = "defaults::one")]
     pub gradient_accumulation_steps: usize,
+    /// GPUs of this host that train data-parallel, one replica each (the first `devices`).
+    #[serde(default = "defaults::one", skip_serializing_if = "defaults::is_one")]
+    pub devices: usize,
     /// Peak learning rate.
     #[serde(default = "defaults::lr")]
     pub lr: f64,
@@ -497,6 +500,10 @@ mod defaults {
     }
     pub fn one() -> usize {
         1
+    }
+    /// Whether `n` is 1, the default left out of a serialized section.
+    pub fn is_one(n: &usize) -> bool {
+        *n == 1
     }
     pub fn one_u64() -> u64 {
         1
@@ -898,8 +905,11 @@ pub struct TrainSettings {
     pub steps: u64,
     /// Samples per micro-batch.
     pub batch_size: usize,
-    /// Micro-batches per optimizer step.
+    /// Micro-batches per optimizer step on each device.
     pub gradient_accumulation_steps: usize,
+    /// Devices training data-parallel: each optimizer step takes `devices ×
+    /// gradient_accumulation_steps` micro-batches, and its gradient is their mean.
+    pub devices: usize,
     /// Peak learning rate.
     pub lr: f64,
     /// The optimizer.
@@ -1630,6 +1640,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         t.gradient_accumulation_steps,
         1,
     );
+    let devices = c.at_least("train.devices", t.devices, 1);
     let lr = c.positive("train.lr", t.lr);
     let optimizer = c.choose(
         "train.optimizer",
@@ -1666,6 +1677,15 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
             c.fail(
                 "train.gradients",
                 "`host` needs the optimizer in host memory too: set `train.optimizer_state: host`"
+                    .to_string(),
+            );
+            None
+        }
+        (Some(GradientPlacement::Host), _) if t.devices > 1 => {
+            c.fail(
+                "train.gradients",
+                "`host` sums the gradients of one device: with `train.devices` above 1 set \
+                 `device`"
                     .to_string(),
             );
             None
@@ -1768,6 +1788,7 @@ fn check_train(c: &mut Checker, t: &TrainSectionYaml, arch: Arch) -> Option<Trai
         steps: steps?,
         batch_size: batch?,
         gradient_accumulation_steps: accumulation?,
+        devices: devices?,
         lr: lr?,
         optimizer: optimizer?,
         optimizer_state: optimizer_state?,
@@ -1804,6 +1825,12 @@ fn check_experts(c: &mut Checker, yaml: &TrainYaml, train: Option<&TrainSettings
         return;
     }
     let Some(train) = train else { return };
+    if train.devices > 1 {
+        c.fail(
+            "train.devices",
+            "with model.transformer_2 the experts train by turns on one device: set 1".to_string(),
+        );
+    }
     let (range, boundary) = (train.timestep_range, train.timestep_boundary);
     if !(range.min < boundary && boundary < range.max) {
         c.fail(

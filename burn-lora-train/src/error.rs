@@ -110,6 +110,20 @@ pub enum TrainError {
         /// The image file, or the caption.
         input: String,
     },
+    /// `train.devices` asks for more devices than there are.
+    #[error("`train.devices` is {configured}, but {found} device(s) of this kind are available")]
+    Devices {
+        /// Devices configured.
+        configured: usize,
+        /// Devices given or found.
+        found: usize,
+    },
+    /// The collective operations between the replicas of a data-parallel run failed.
+    #[error("combining the replicas' gradients: {0}")]
+    Collective(String),
+    /// Another replica of a data-parallel run stopped with an error, so this one stopped too.
+    #[error("another replica of the run stopped with an error")]
+    ReplicaFailed,
     /// Too many consecutive steps had a non-finite loss or gradient (a checkpoint of the last
     /// step was written).
     #[error("{0} consecutive steps with a non-finite loss or gradient")]

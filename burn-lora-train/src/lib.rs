@@ -27,6 +27,7 @@ pub mod family;
 mod models;
 pub use family::lora_names;
 pub mod optim;
+mod replicas;
 pub mod report;
 pub mod rng;
 pub mod train;

@@ -83,6 +83,11 @@ impl Rng {
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
 
+    /// `count` standard normal values, [`normal`](Self::normal) draws narrowed to f32.
+    pub fn normals(&mut self, count: usize) -> Vec<f32> {
+        (0..count).map(|_| self.normal() as f32).collect()
+    }
+
     /// Uniform in `0..n` (`n > 0`), without modulo bias.
     pub fn below(&mut self, n: u64) -> u64 {
         assert!(n > 0, "below(0) has no value to return");

@@ -24,15 +24,16 @@
 //! restores the adapters from the optimizer's exact f32 copies, never from the (possibly bf16)
 //! LoRA file.
 
+use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsAccumulator;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{Backend, Device as _, DeviceId};
 use burn_diffusion::Checkpointing;
-use burn_lora::{LoraMetadata, SaveOptions};
+use burn_lora::{ApplyReport, LayoutNames, LoraMetadata, SaveOptions};
 use burn_offload::{
     GradientSink, MemoryMeasurement, MemoryPlan, MemoryProbe, Offload, OffloadError, StepStats,
     StreamTarget, WeightStream,
@@ -48,6 +49,7 @@ use crate::experts::{self, Expert, Experts};
 use crate::family::{Arch, Family, Flux1, Flux2Family, Sample, Sdxl, TrainBackend, Wan};
 use crate::models;
 use crate::optim::{AdamWConfig, LrSchedule, PlacedAdamW};
+use crate::replicas::{Group, Replica};
 use crate::report::{LossLog, LossRow, Progress, StopFlag, plot_loss};
 use crate::rng::Rng;
 
@@ -80,20 +82,43 @@ pub struct TrainSummary {
     pub experts: Vec<Expert>,
 }
 
-/// Trains the adapters of `plan` on `device` (the loop of `burnlora train`): creates or resumes
-/// the run folder, writes checkpoints and the loss CSV and plot, and stops early, with a
-/// checkpoint, when `stop` is set.
+/// Trains the adapters of `plan` on `devices` (the loop of `burnlora train`): creates or
+/// resumes the run folder, writes checkpoints and the loss CSV and plot, and stops early, with
+/// a checkpoint, when `stop` is set. `devices` holds one device per replica (`train.devices`
+/// of them, [`TrainError::Devices`] otherwise; [`devices`] finds them).
 ///
-/// The noise comes from the backend's random generator, which is global to the process: a
-/// run is reproducible (and its resumption exact) only while no other code draws from that
-/// generator at the same time.
+/// The adapters are initialized from the backend's random generator, which is global to the
+/// process: a run is reproducible (and its resumption exact) only while no other code draws
+/// from that generator at the same time.
 pub fn train<B: StreamTarget>(
     plan: &TrainPlan,
     resume: Resume,
     stop: &StopFlag,
-    device: &B::Device,
+    devices: &[B::Device],
 ) -> Result<TrainSummary, TrainError> {
-    train_probed::<B>(plan, resume, stop, device, None)
+    train_probed::<B>(plan, resume, stop, devices, None)
+}
+
+/// The first `count` devices of the backend's default kind, one per replica of a
+/// data-parallel run; [`TrainError::Devices`] when there are fewer.
+pub fn devices<B: Backend>(count: usize) -> Result<Vec<B::Device>, TrainError> {
+    let first = B::Device::default().to_id();
+    let found = B::device_count(first.type_id);
+    if found < count {
+        return Err(TrainError::Devices {
+            configured: count,
+            found,
+        });
+    }
+    Ok((first.index_id..)
+        .take(count)
+        .map(|index_id| {
+            B::Device::from_id(DeviceId {
+                type_id: first.type_id,
+                index_id,
+            })
+        })
+        .collect())
 }
 
 /// [`train`], reading the device memory in use from `probe` instead of asking the backend: on
@@ -103,17 +128,17 @@ pub fn train_with_memory_probe<B: StreamTarget>(
     plan: &TrainPlan,
     resume: Resume,
     stop: &StopFlag,
-    device: &B::Device,
+    devices: &[B::Device],
     probe: Arc<dyn MemoryProbe>,
 ) -> Result<TrainSummary, TrainError> {
-    train_probed::<B>(plan, resume, stop, device, Some(probe))
+    train_probed::<B>(plan, resume, stop, devices, Some(probe))
 }
 
 fn train_probed<B: StreamTarget>(
     plan: &TrainPlan,
     resume: Resume,
     stop: &StopFlag,
-    device: &B::Device,
+    devices: &[B::Device],
     probe: Option<Arc<dyn MemoryProbe>>,
 ) -> Result<TrainSummary, TrainError> {
     let _kernels = plan.kernels.install();
@@ -121,56 +146,148 @@ fn train_probed<B: StreamTarget>(
     match plan.model.arch {
         Arch::Flux1 => {
             let family = Flux1::new(plan)?;
-            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+            train_family::<_, B>(&family, plan, resume, stop, devices, probe)
         }
         Arch::Flux2 => {
             let family = Flux2Family::new(plan)?;
-            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+            train_family::<_, B>(&family, plan, resume, stop, devices, probe)
         }
         Arch::Sdxl => {
             let family = Sdxl::new(plan)?;
-            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+            train_family::<_, B>(&family, plan, resume, stop, devices, probe)
         }
         Arch::Wan => {
             let family = Wan::new(plan)?;
-            train_family::<_, B>(&family, plan, resume, stop, device, probe)
+            train_family::<_, B>(&family, plan, resume, stop, devices, probe)
         }
     }
 }
 
-/// [`train`] with the family's model.
-fn train_family<F: Family, B: StreamTarget>(
+/// [`train`] with the family's model: the encodings prepared once (on the first device), then
+/// one replica per device.
+fn train_family<F: Family + Sync, B: StreamTarget>(
     family: &F,
     plan: &TrainPlan,
     resume: Resume,
     stop: &StopFlag,
+    devices: &[B::Device],
+    probe: Option<Arc<dyn MemoryProbe>>,
+) -> Result<TrainSummary, TrainError>
+where
+    F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
+{
+    if devices.len() != plan.train.devices {
+        return Err(TrainError::Devices {
+            configured: plan.train.devices,
+            found: devices.len(),
+        });
+    }
+    let run = RunDir::create(plan.run_dir(), &plan.name)?;
+    let dataset = Dataset::scan(&plan.datasets, family.pixel_multiple())?;
+    let prepared = cache::prepare::<F, B>(family, plan, &dataset, &devices[0])?;
+    let shared = Shared {
+        family,
+        plan,
+        resume,
+        stop,
+        run: &run,
+        dataset: &dataset,
+        prepared: &prepared,
+    };
+    let [_, _, ..] = devices else {
+        return train_replica::<F, B>(&shared, Replica::alone(), &devices[0], probe);
+    };
+    burn::collective::reset_collective::<Offload<B>>();
+    let group = Group::new(devices.len());
+    tracing::info!("{} replicas train data-parallel", devices.len());
+    std::thread::scope(|scope| {
+        let replicas: Vec<_> = devices
+            .iter()
+            .enumerate()
+            .map(|(rank, device)| {
+                let (shared, group, probe) = (&shared, &group, probe.clone());
+                scope.spawn(move || {
+                    let replica = Replica::of(group, rank);
+                    let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
+                        train_replica::<F, B>(shared, replica, device, probe)
+                    }));
+                    if !matches!(outcome, Ok(Ok(_))) {
+                        group.fail();
+                    }
+                    outcome.unwrap_or_else(|payload| panic::resume_unwind(payload))
+                })
+            })
+            .collect();
+        let outcomes: Vec<Result<TrainSummary, TrainError>> = replicas
+            .into_iter()
+            .map(|r| {
+                r.join()
+                    .unwrap_or_else(|payload| panic::resume_unwind(payload))
+            })
+            .collect();
+        first_cause(outcomes)
+    })
+}
+
+/// The leader's summary when every replica finished, else the error of the replica that
+/// failed first (the others stopped for it).
+fn first_cause(
+    outcomes: Vec<Result<TrainSummary, TrainError>>,
+) -> Result<TrainSummary, TrainError> {
+    let mut errors: Vec<TrainError> = Vec::new();
+    let mut leader = None;
+    for outcome in outcomes {
+        match outcome {
+            Ok(summary) => leader = leader.or(Some(summary)),
+            Err(error) => errors.push(error),
+        }
+    }
+    let cause = errors
+        .iter()
+        .position(|e| !matches!(e, TrainError::ReplicaFailed))
+        .unwrap_or(0);
+    match errors.is_empty() {
+        true => Ok(leader.expect("a run has at least one replica")),
+        false => Err(errors.swap_remove(cause)),
+    }
+}
+
+/// What every replica of a run reads.
+struct Shared<'a, F> {
+    family: &'a F,
+    plan: &'a TrainPlan,
+    resume: Resume,
+    stop: &'a StopFlag,
+    run: &'a RunDir,
+    dataset: &'a Dataset,
+    prepared: &'a cache::Prepared,
+}
+
+/// One replica's run on `device`: each step it computes its share of the micro-batches
+/// (those whose index modulo the replica count is its rank), every replica drawing the same
+/// random values in the same order; the leader logs and saves.
+fn train_replica<F: Family, B: StreamTarget>(
+    shared: &Shared<'_, F>,
+    replica: Replica<'_>,
     device: &B::Device,
     probe: Option<Arc<dyn MemoryProbe>>,
 ) -> Result<TrainSummary, TrainError>
 where
     F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
 {
-    let run = RunDir::create(plan.run_dir(), &plan.name)?;
-    let dataset = Dataset::scan(&plan.datasets, family.pixel_multiple())?;
-    let prepared = cache::prepare::<F, B>(family, plan, &dataset, device)?;
-
+    let Shared {
+        family,
+        plan,
+        resume,
+        stop,
+        run,
+        dataset,
+        prepared,
+    } = *shared;
     let start = Instant::now();
     let stream = models::weight_stream::<TrainBackend<B>>(plan, device, probe)?;
-    let flux = family.load::<B>(plan, device, stream.as_ref())?;
-    let names = family.lora_names();
-    let flux = match &plan.network.pretrained {
-        Some(path) => {
-            let set = names.load(path)?.with_dtype(plan.model.dtype);
-            let (flux, report) = burn_lora::load_adapters(flux, set)?;
-            tracing::info!("{}: {report}", path.display());
-            flux
-        }
-        None => flux,
-    };
-    B::seed(device, plan.train.seed);
-    let (mut flux, applied) = plan.network.lora.apply(flux);
-    names.check(plan.save.format, &applied)?;
-    models::initialize(&flux);
+    let (mut flux, applied, names) =
+        replica.building(|| build::<F, B>(family, plan, device, stream.as_ref()))?;
     tracing::info!(
         "{} layers adapted, {} trainable parameters",
         applied.count(),
@@ -197,6 +314,7 @@ where
         }
         None => None,
     };
+    replica.join::<Offload<B>>(device)?;
     tracing::info!(
         "denoiser ready in {:.1} s{}",
         start.elapsed().as_secs_f64(),
@@ -248,8 +366,13 @@ where
         .and_then(|stream| MeasuredBudget::new(plan, stream));
     let started_at = step;
     let mut batches = dataset.batches(plan.train.seed, plan.train.batch_size, position);
-    let mut loss_log = LossLog::open(run.path(), started_at)?;
-    let mut progress = Progress::new(plan.train.steps, started_at, plan.logging.progress_bar);
+    let mut loss_log = replica
+        .leads()
+        .then(|| LossLog::open(run.path(), started_at))
+        .transpose()?;
+    let mut progress = replica
+        .leads()
+        .then(|| Progress::new(plan.train.steps, started_at, plan.logging.progress_bar));
     let mut summary = TrainSummary {
         started_at,
         step,
@@ -268,14 +391,21 @@ where
         if let Some(measured) = &mut measured {
             measured.begin_step();
         }
-        for _ in 0..plan.train.gradient_accumulation_steps {
+        let accumulation = plan.train.gradient_accumulation_steps;
+        for micro in 0..accumulation * replica.world {
             let batch = batches.next().expect("a scanned dataset yields batches");
+            // Each micro-batch draws from its own generator, so that a replica draws what the
+            // others' micro-batches leave untouched.
+            let mut draws = Rng::seeded(rng.next_u64());
+            if micro % replica.world != replica.rank {
+                continue;
+            }
             if let Some(stream) = &stream {
                 stream.begin_step();
             }
             let mut micro_plan = plan;
             if let Some(experts) = &mut experts {
-                let expert = experts.choose(plan, &mut rng);
+                let expert = experts.choose(plan, &mut draws);
                 flux = experts.activate(flux, expert);
                 micro_plan = experts.plan(expert);
                 summary.experts.push(expert);
@@ -297,7 +427,7 @@ where
                 })
                 .collect();
             let (loss, grads) =
-                family.loss::<Offload<B>>(micro_plan, &flux, &samples, &mut rng, device);
+                family.loss::<Offload<B>>(micro_plan, &flux, &samples, &mut draws, device);
             if let Some(stream) = &stream {
                 let stats = stream.end_step();
                 if let Some(measured) = &mut measured {
@@ -308,12 +438,15 @@ where
             loss_sum += loss;
             accumulator.accumulate(&flux, grads);
         }
-        let loss = loss_sum / plan.train.gradient_accumulation_steps as f64;
+        let grads = replica.mean_gradients(&flux, accumulator.grads())?;
+        let [loss_sum, stops] =
+            replica.sum::<Offload<B>, 2>([loss_sum, f64::from(u8::from(stop.is_set()))], device)?;
+        let loss = loss_sum / (accumulation * replica.world) as f64;
         let losses_read = start.elapsed().as_secs_f64();
         let sums = sink.as_ref().map(|sink| sink.take()).transpose()?;
         let gradients_read = start.elapsed().as_secs_f64() - losses_read;
         let host_grads: Vec<_> = sums.iter().flat_map(|s| s.iter()).collect();
-        let (updated, stepped) = optimizer.step(flux, accumulator.grads(), &host_grads, lr);
+        let (updated, stepped) = optimizer.step(flux, grads, &host_grads, lr, accumulation);
         drop(sums);
         flux = updated;
         let optimizer_queued = start.elapsed().as_secs_f64() - losses_read - gradients_read;
@@ -328,10 +461,12 @@ where
             non_finite = 0;
         } else {
             non_finite += 1;
-            tracing::warn!(
-                "step {step}: loss {loss}, gradient norm {}: skipped",
-                stepped.grad_norm
-            );
+            if replica.leads() {
+                tracing::warn!(
+                    "step {step}: loss {loss}, gradient norm {}: skipped",
+                    stepped.grad_norm
+                );
+            }
         }
         let seconds = start.elapsed().as_secs_f64();
         summary.losses.push(loss);
@@ -339,7 +474,9 @@ where
         if memory.is_empty() {
             memory = gigabytes(B::memory_in_use(device));
         }
-        progress.step(step, loss, lr, seconds, &memory);
+        if let Some(progress) = &mut progress {
+            progress.step(step, loss, lr, seconds, &memory);
+        }
         // Host time, up to the loss's read (which waits for the backward to finish on the
         // device), for the last gradients to reach host memory (with `train.gradients: host`),
         // then for the optimizer (which waits for the gradients' norm and queues the update):
@@ -349,6 +486,14 @@ where
              {gradients_read:.3} s, optimizer {optimizer_queued:.3} s, rest {:.3} s",
             seconds - losses_read - gradients_read - optimizer_queued
         );
+        let diverged = non_finite >= plan.train.max_nan_steps;
+        let stopping = stops > 0.0 || diverged;
+        let Some(loss_log) = &mut loss_log else {
+            if stopping {
+                break;
+            }
+            continue;
+        };
         if step % plan.logging.every == 0 || step == plan.train.steps {
             tracing::info!(
                 "step {step}: loss {loss:.5}, lr {lr:.3e}, {seconds:.2} s, device memory {memory}"
@@ -360,8 +505,6 @@ where
                 seconds,
             })?;
         }
-        let diverged = non_finite >= plan.train.max_nan_steps;
-        let stopping = stop.is_set() || diverged;
         if step % plan.save.every == 0 || step == plan.train.steps || stopping {
             let state = TrainingState {
                 step,
@@ -404,8 +547,41 @@ where
             break;
         }
     }
-    progress.finish();
+    if let Some(progress) = progress {
+        progress.finish();
+    }
+    replica.leave::<Offload<B>>()?;
     Ok(summary)
+}
+
+/// The family's denoiser on `device` with its adapters: loaded (or made), the pretrained
+/// adapters applied, new ones made from the run's seed and initialized.
+#[allow(clippy::type_complexity)]
+fn build<F: Family, B: StreamTarget>(
+    family: &F,
+    plan: &TrainPlan,
+    device: &B::Device,
+    stream: Option<&WeightStream<TrainBackend<B>>>,
+) -> Result<(F::Model<TrainBackend<B>>, ApplyReport, LayoutNames), TrainError>
+where
+    F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
+{
+    let flux = family.load::<B>(plan, device, stream)?;
+    let names = family.lora_names();
+    let flux = match &plan.network.pretrained {
+        Some(path) => {
+            let set = names.load(path)?.with_dtype(plan.model.dtype);
+            let (flux, report) = burn_lora::load_adapters(flux, set)?;
+            tracing::info!("{}: {report}", path.display());
+            flux
+        }
+        None => flux,
+    };
+    B::seed(device, plan.train.seed);
+    let (flux, applied) = plan.network.lora.apply(flux);
+    names.check(plan.save.format, &applied)?;
+    models::initialize(&flux);
+    Ok((flux, applied, names))
 }
 
 /// The budget of a run whose weights are planned within what its steps measure

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::report::{self, Logging, StopFlag};
-use burn_lora_train::train::{Resume, train};
+use burn_lora_train::train::{Resume, devices, train};
 
 /// Arguments of `burnlora train`.
 #[derive(clap::Args)]
@@ -30,7 +30,8 @@ pub fn run(args: TrainArgs, logging: &Logging) -> anyhow::Result<()> {
     } else {
         Resume::Auto
     };
-    let summary = train::<Inner>(&plan, resume, &stop, &Default::default())?;
+    let devices = devices::<Inner>(plan.train.devices)?;
+    let summary = train::<Inner>(&plan, resume, &stop, &devices)?;
     match summary.lora {
         Some(lora) => println!("step {}: {}", summary.step, lora.display()),
         None => println!("nothing to do: the run is at step {}", summary.step),

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::backend::Flex;
+use burn::backend::flex::FlexDevice;
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::report::StopFlag;
 use burn_lora_train::train::{Resume, TrainError, TrainSummary, train_with_memory_probe};
@@ -34,13 +35,7 @@ fn probed_by(
     resume: Resume,
     probe: Arc<dyn MemoryProbe>,
 ) -> Result<TrainSummary, TrainError> {
-    train_with_memory_probe::<Flex>(
-        plan,
-        resume,
-        &StopFlag::default(),
-        &Default::default(),
-        probe,
-    )
+    train_with_memory_probe::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice], probe)
 }
 
 fn with_budget(output: &Path, steps: u64, budget: Option<u64>) -> TrainPlan {

@@ -188,10 +188,9 @@ impl<B: Backend> DdpmPair<B> {
 fn host_noise(shape: [usize; 4], offset: f64, rng: &mut Rng) -> TensorData {
     let [n, c, h, w] = shape;
     let mut draws = Rng::seeded(rng.next_u64());
-    let mut values: Vec<f32> = (0..n * c * h * w).map(|_| draws.normal() as f32).collect();
+    let mut values = draws.normals(n * c * h * w);
     if offset != 0.0 {
-        let per_channel: Vec<f32> = (0..n * c).map(|_| draws.normal() as f32).collect();
-        add_offset(&mut values, &per_channel, offset as f32);
+        add_offset(&mut values, &draws.normals(n * c), offset as f32);
     }
     TensorData::new(values, shape)
 }

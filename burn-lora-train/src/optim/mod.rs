@@ -593,18 +593,21 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        self.step_with_host_gradients(module, grads, &[], lr)
+        self.step_with_host_gradients(module, grads, &[], lr, 1)
     }
 
     /// [`step`](Self::step) where the gradients of some parameters were summed in host memory
     /// instead (`host`: module paths and flat values, as burn-offload's `GradientSums` hands
-    /// them over). A gradient reaches the update in the parameter's dtype either way.
+    /// them over), and both are sums over `micro_batches` micro-batches, whose mean the update
+    /// takes (clipped by the mean's norm). A gradient reaches the update in the parameter's
+    /// dtype either way.
     pub fn step_with_host_gradients<AB, M>(
         &mut self,
         module: M,
         mut grads: GradientsParams,
         host: &[(&str, HostGradient<'_>)],
         lr: f64,
+        micro_batches: usize,
     ) -> (M, StepReport)
     where
         AB: AutodiffBackend<InnerBackend = B>,
@@ -670,7 +673,8 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             });
             flat_grads.push(Some(flat));
         }
-        let grad_norm = squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
+        let mean = 1.0 / micro_batches as f64;
+        let grad_norm = mean * squares.map_or(0.0, |s| s.sqrt().into_scalar().elem::<f64>());
         let gathered = started.elapsed();
         if !grad_norm.is_finite() {
             return (
@@ -682,10 +686,11 @@ impl<B: Backend, P: StatePlacement<B>> AdamW<B, P> {
             );
         }
         // PyTorch's clip_grad_norm_: scale by max / (norm + 1e-6) when that is below 1.
-        let grad_scale = match self.config.max_grad_norm {
-            Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
-            None => 1.0,
-        };
+        let grad_scale = mean
+            * match self.config.max_grad_norm {
+                Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
+                None => 1.0,
+            };
         self.steps += 1;
         let step = UpdateStep {
             config: self.config,
@@ -913,14 +918,15 @@ impl<B: Backend> PlacedAdamW<B> {
         grads: GradientsParams,
         host: &[(&str, HostGradient<'_>)],
         lr: f64,
+        micro_batches: usize,
     ) -> (M, StepReport)
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
         match self {
-            Self::Device(o) => o.step_with_host_gradients(module, grads, host, lr),
-            Self::Host(o) => o.step_with_host_gradients(module, grads, host, lr),
+            Self::Device(o) => o.step_with_host_gradients(module, grads, host, lr, micro_batches),
+            Self::Host(o) => o.step_with_host_gradients(module, grads, host, lr, micro_batches),
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use burn::backend::Flex;
+use burn::backend::flex::FlexDevice;
 use burn_lora::{AdapterSet, Role};
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::report::StopFlag;
@@ -29,12 +30,12 @@ pub fn example_plan(file: &str, output: &Path, steps: u64) -> TrainPlan {
 
 /// Taken by every run: Burn's random generator is one per process, and each run seeds it, so
 /// two runs at once in one test binary would draw from each other's sequences.
-static TURN: Mutex<()> = Mutex::new(());
+pub static TURN: Mutex<()> = Mutex::new(());
 
 /// `plan` trained on the CPU, one run at a time within the test binary.
 pub fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
     let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    train::<Flex>(plan, resume, &StopFlag::default(), &Default::default())
+    train::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice])
 }
 
 /// Every adapter tensor of a LoRA file as f32 bits, by name and role.

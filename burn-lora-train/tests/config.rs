@@ -384,3 +384,29 @@ fn the_gradients_follow_the_optimizer_state_unless_told() {
         "{err}"
     );
 }
+
+#[test]
+fn several_devices_are_read_and_their_limits_named() {
+    let c = case(GOOD);
+    assert_eq!(load(&c.file, &[]).unwrap().train.devices, 1);
+    let two = load(&c.file, &[("BURNLORA_TRAIN__DEVICES", "2")]).unwrap();
+    assert_eq!(two.train.devices, 2);
+    assert_ne!(
+        two.resume_fingerprint(),
+        load(&c.file, &[]).unwrap().resume_fingerprint(),
+        "the global batch changes with the devices"
+    );
+    let err = load(&c.file, &[("BURNLORA_TRAIN__DEVICES", "0")]).unwrap_err();
+    assert_eq!(err.problems[0].field, "train.devices", "{err}");
+    let err = load(
+        &c.file,
+        &[
+            ("BURNLORA_TRAIN__DEVICES", "2"),
+            ("BURNLORA_TRAIN__OPTIMIZER_STATE", "host"),
+        ],
+    )
+    .unwrap_err();
+    assert_eq!(err.problems.len(), 1, "{err}");
+    assert_eq!(err.problems[0].field, "train.gradients");
+    assert!(err.problems[0].message.contains("train.devices"), "{err}");
+}

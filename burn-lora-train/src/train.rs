@@ -18,6 +18,11 @@
 //! are planned within the rest of the budget, or the run stops when the budget cannot hold even
 //! that (burn-offload/DESIGN.md, "A budget for the whole run").
 //!
+//! With `train.devices` above 1 the loop runs as one replica per device, each in its own
+//! thread, computing its share of each step's micro-batches; their gradients are averaged
+//! before every replica applies the same update ([`crate::replicas`], burn-lora-train's
+//! DESIGN.md, "Several GPUs").
+//!
 //! A step whose loss or gradient is not finite is skipped; after `train.max_nan_steps` of them
 //! in a row the run stops. A checkpoint (LoRA file plus optimizer and data state) is written
 //! every `save.save_every` steps, at the last step, and when the run stops early; resuming

@@ -20,7 +20,7 @@
 //!
 //! With `train.devices` above 1 the loop runs as one replica per device, each in its own
 //! thread, computing its share of each step's micro-batches; their gradients are averaged
-//! before every replica applies the same update ([`crate::replicas`], burn-lora-train's
+//! before every replica applies the same update (`replicas.rs`, burn-lora-train's
 //! DESIGN.md, "Several GPUs").
 //!
 //! A step whose loss or gradient is not finite is skipped; after `train.max_nan_steps` of them

@@ -240,3 +240,34 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for MeanGradients<AB> {
 fn collective(error: burn::collective::CollectiveError) -> TrainError {
     TrainError::Collective(format!("{error:?}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_meet_again_and_again() {
+        let group = Group::new(3);
+        std::thread::scope(|s| {
+            let replicas: Vec<_> = (0..3)
+                .map(|_| s.spawn(|| (0..100).all(|_| group.meet().is_ok())))
+                .collect();
+            assert!(replicas.into_iter().all(|r| r.join().unwrap()));
+        });
+        assert_eq!(group.lock().held, 100);
+    }
+
+    #[test]
+    fn a_failed_replica_releases_those_waiting_and_those_to_come() {
+        let group = Group::new(3);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| group.meet());
+            group.fail();
+            assert!(matches!(
+                waiting.join().unwrap(),
+                Err(TrainError::ReplicaFailed)
+            ));
+        });
+        assert!(matches!(group.meet(), Err(TrainError::ReplicaFailed)));
+    }
+}

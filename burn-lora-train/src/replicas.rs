@@ -20,14 +20,11 @@ use burn::{module::AutodiffModule, tensor::TensorPrimitive};
 
 use crate::error::TrainError;
 
-/// The replicas of one run: where they meet, and the turn they take to build their models.
+/// The replicas of one run, and where they meet.
 pub(crate) struct Group {
     world: usize,
     state: Mutex<Meeting>,
     arrived: Condvar,
-    /// Held while a replica seeds the backend's generator and builds its model, so that every
-    /// replica draws the same random values.
-    building: Mutex<()>,
 }
 
 /// Who has come to the current meeting.
@@ -46,7 +43,6 @@ impl Group {
             world,
             state: Mutex::default(),
             arrived: Condvar::new(),
-            building: Mutex::default(),
         }
     }
 
@@ -119,16 +115,6 @@ impl<'a> Replica<'a> {
     /// Whether this replica logs and saves.
     pub(crate) fn leads(&self) -> bool {
         self.rank == 0
-    }
-
-    /// Runs `build` while no other replica builds: the backend's generator is one per process.
-    pub(crate) fn building<T>(&self, build: impl FnOnce() -> T) -> T {
-        let _turn = self.group.map(|g| {
-            g.building
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-        });
-        build()
     }
 
     /// Joins the collective on `device` (the inner backend `B` of the training backend).

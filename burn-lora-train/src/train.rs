@@ -31,10 +31,10 @@
 
 use std::panic::{self, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::{Backend, Device as _, DeviceId};
 use burn_diffusion::Checkpointing;
@@ -200,21 +200,26 @@ where
         prepared: &prepared,
     };
     let [_, _, ..] = devices else {
-        return train_replica::<F, B>(&shared, Replica::alone(), &devices[0], probe);
+        let origin = Origin::Built(Vec::new());
+        return train_replica::<F, B>(&shared, Replica::alone(), origin, &devices[0], probe);
     };
     burn::collective::reset_collective::<Offload<B>>();
     let group = Group::new(devices.len());
     tracing::info!("{} replicas train data-parallel", devices.len());
+    let (copies, received): (Vec<_>, Vec<_>) = devices[1..].iter().map(|_| mpsc::channel()).unzip();
+    let origins =
+        std::iter::once(Origin::Built(copies)).chain(received.into_iter().map(Origin::Adopted));
     std::thread::scope(|scope| {
         let replicas: Vec<_> = devices
             .iter()
+            .zip(origins)
             .enumerate()
-            .map(|(rank, device)| {
+            .map(|(rank, (device, origin))| {
                 let (shared, group, probe) = (&shared, &group, probe.clone());
                 scope.spawn(move || {
                     let replica = Replica::of(group, rank);
                     let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-                        train_replica::<F, B>(shared, replica, device, probe)
+                        train_replica::<F, B>(shared, replica, origin, device, probe)
                     }));
                     if !matches!(outcome, Ok(Ok(_))) {
                         group.fail();
@@ -257,6 +262,15 @@ fn first_cause(
     }
 }
 
+/// Where a replica's model comes from.
+enum Origin<M> {
+    /// Built by this replica, which sends a copy to each of the others.
+    Built(Vec<mpsc::Sender<M>>),
+    /// The first replica's, adopted onto this replica's device: its frozen weights streamed
+    /// from the same host memory, its adapters copied.
+    Adopted(mpsc::Receiver<M>),
+}
+
 /// What every replica of a run reads.
 struct Shared<'a, F> {
     family: &'a F,
@@ -274,6 +288,7 @@ struct Shared<'a, F> {
 fn train_replica<F: Family, B: StreamTarget>(
     shared: &Shared<'_, F>,
     replica: Replica<'_>,
+    origin: Origin<F::Model<TrainBackend<B>>>,
     device: &B::Device,
     probe: Option<Arc<dyn MemoryProbe>>,
 ) -> Result<TrainSummary, TrainError>
@@ -291,17 +306,33 @@ where
     } = *shared;
     let start = Instant::now();
     let stream = models::weight_stream::<TrainBackend<B>>(plan, device, probe)?;
-    let (mut flux, applied, names) =
-        replica.building(|| build::<F, B>(family, plan, device, stream.as_ref()))?;
-    tracing::info!(
-        "{} layers adapted, {} trainable parameters",
-        applied.count(),
-        applied.params()
-    );
-    if let Some(stream) = &stream {
-        flux = stream.stream_frozen(flux)?;
-        TrainBackend::<B>::memory_cleanup(device);
-    }
+    let names = family.lora_names();
+    let mut flux = match origin {
+        Origin::Built(copies) => {
+            let (mut flux, applied) = build::<F, B>(family, plan, &names, device, stream.as_ref())?;
+            tracing::info!(
+                "{} layers adapted, {} trainable parameters",
+                applied.count(),
+                applied.params()
+            );
+            if let Some(stream) = &stream {
+                flux = stream.stream_frozen(flux)?;
+                TrainBackend::<B>::memory_cleanup(device);
+            }
+            for copy in copies {
+                // A replica that is gone has failed, which the next meeting reports.
+                copy.send(flux.clone()).ok();
+            }
+            flux
+        }
+        Origin::Adopted(received) => {
+            let flux = received.recv().map_err(|_| TrainError::ReplicaFailed)?;
+            match &stream {
+                Some(stream) => stream.adopt(flux),
+                None => flux.fork(device),
+            }
+        }
+    };
     let mut experts = match experts::second_plan(plan) {
         Some(second_plan) => {
             let mut second = family.load::<B>(&second_plan, device, stream.as_ref())?;
@@ -559,20 +590,19 @@ where
     Ok(summary)
 }
 
-/// The family's denoiser on `device` with its adapters: loaded (or made), the pretrained
-/// adapters applied, new ones made from the run's seed and initialized.
-#[allow(clippy::type_complexity)]
+/// The family's denoiser on `device` with its adapters (saved under `names`): loaded (or
+/// made), the pretrained adapters applied, new ones made from the run's seed and initialized.
 fn build<F: Family, B: StreamTarget>(
     family: &F,
     plan: &TrainPlan,
+    names: &LayoutNames,
     device: &B::Device,
     stream: Option<&WeightStream<TrainBackend<B>>>,
-) -> Result<(F::Model<TrainBackend<B>>, ApplyReport, LayoutNames), TrainError>
+) -> Result<(F::Model<TrainBackend<B>>, ApplyReport), TrainError>
 where
     F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
 {
     let flux = family.load::<B>(plan, device, stream)?;
-    let names = family.lora_names();
     let flux = match &plan.network.pretrained {
         Some(path) => {
             let set = names.load(path)?.with_dtype(plan.model.dtype);
@@ -586,7 +616,7 @@ where
     let (flux, applied) = plan.network.lora.apply(flux);
     names.check(plan.save.format, &applied)?;
     models::initialize(&flux);
-    Ok((flux, applied, names))
+    Ok((flux, applied))
 }
 
 /// The budget of a run whose weights are planned within what its steps measure

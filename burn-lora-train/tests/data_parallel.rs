@@ -63,6 +63,25 @@ fn two_replicas_train_what_one_device_trains_with_the_same_global_batch() {
 }
 
 #[test]
+fn two_replicas_streaming_one_host_copy_train_what_one_device_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let streamed = |name: &str, devices: usize| {
+        let mut plan = plan(&dir.path().join(name), 2, devices);
+        plan.model.vram_budget_bytes = Some(0);
+        run(&plan, Resume::Auto).unwrap()
+    };
+    let (one, two) = (streamed("one", 1), streamed("two", 2));
+    for (a, b) in one.losses.iter().zip(&two.losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} and {b}");
+    }
+    let difference = largest_difference(&one.lora.unwrap(), &two.lora.unwrap());
+    assert!(
+        difference <= 1e-5,
+        "adapters differ by {difference} (relative)"
+    );
+}
+
+#[test]
 fn two_replicas_resume_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let straight = run(&plan(&dir.path().join("straight"), 4, 2), Resume::Auto).unwrap();

@@ -25,7 +25,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::{Handle, ServerError};
 use cubecl_common::bytes::{AllocationController, AllocationProperty};
 use cubecl_common::future::{DynFut, block_on};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 use rayon::prelude::*;
 
 use crate::error::OffloadError;
@@ -121,7 +121,8 @@ fn page_locked(
         ctx.bind_to_thread()
             .map_err(device_error("binding the CUDA context"))?;
         // SAFETY: a fresh allocation of `len` bytes, which `fill` initializes right below.
-        let ptr = unsafe { result::malloc_host(len, 0) }
+        // Portable: every context of the process (every GPU's) copies from it as page-locked.
+        let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(device_error("allocating page-locked host memory"))?
             .cast::<u8>();
         fill(ptr, len);

@@ -1,7 +1,6 @@
 //! The public handle of one device's engine: it turns frozen parameters into streamed weights
 //! and brackets training steps.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, Param};
@@ -25,7 +24,7 @@ use crate::weight::{HostWeight, Payload};
 /// first step records the order of weight uses, later steps prefetch by replaying it.
 pub struct WeightStream<B: OffloadBackend> {
     engine: Arc<Engine<B::Target>>,
-    backend: PhantomData<B>,
+    device: B::Device,
 }
 
 impl<B: OffloadBackend> WeightStream<B> {
@@ -34,7 +33,7 @@ impl<B: OffloadBackend> WeightStream<B> {
         config.validate()?;
         Ok(Self {
             engine: Arc::new(Engine::new(B::target_device(device), config)),
-            backend: PhantomData,
+            device: device.clone(),
         })
     }
 
@@ -111,6 +110,20 @@ impl<B: OffloadBackend> WeightStream<B> {
         }
         self.engine.register(&mapper.weights);
         Ok(module)
+    }
+
+    /// `module` on this stream's device, its streamed weights (another stream's, of any
+    /// device) streamed by this one from the same host memory, without a copy: how several
+    /// devices train replicas of one model with one host copy of its frozen weights. Its other
+    /// parameters move to this device, keeping their ids and whether they require gradients.
+    pub fn adopt<M: Module<B>>(&self, module: M) -> M {
+        let mut mapper = AdoptMapper {
+            stream: self,
+            weights: Vec::new(),
+        };
+        let module = module.map(&mut mapper);
+        self.engine.register(&mapper.weights);
+        module
     }
 
     /// A streamed weight made from host values, without going through the device (how a
@@ -226,5 +239,31 @@ impl<B: OffloadBackend> ModuleMapper<B> for FrozenMapper<'_, B> {
                 Param::from_mapped_value(id, tensor, mapper)
             }
         }
+    }
+}
+
+struct AdoptMapper<'a, B: OffloadBackend> {
+    stream: &'a WeightStream<B>,
+    weights: Vec<Arc<HostWeight>>,
+}
+
+impl<B: OffloadBackend> ModuleMapper<B> for AdoptMapper<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let weight = match tensor.clone().into_primitive() {
+            TensorPrimitive::Float(t) => B::as_offload(&t).as_streamed().map(|s| s.weight.clone()),
+            TensorPrimitive::QFloat(_) => None,
+        };
+        let tensor = match weight {
+            Some(weight) => {
+                self.weights.push(weight.clone());
+                self.stream.tensor(weight)
+            }
+            None => {
+                let moved = tensor.clone().to_device(&self.stream.device).detach();
+                moved.set_require_grad(tensor.is_require_grad())
+            }
+        };
+        Param::from_mapped_value(id, tensor, mapper)
     }
 }

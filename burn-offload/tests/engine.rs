@@ -628,3 +628,29 @@ fn bad_configuration_and_bad_weights_are_refused_with_names() {
         .unwrap();
     assert_eq!(ok.into_data(), values);
 }
+
+#[test]
+fn a_second_stream_adopts_the_streamed_weights_and_streams_them_itself() {
+    let device = Default::default();
+    let first = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let model = first.stream_frozen(net::<A>(DType::F32, &device)).unwrap();
+    let second = WeightStream::<A>::new(&device, ring_of_two()).unwrap();
+    let adopted = second.adopt(model.clone());
+    assert_eq!(second.routes(), first.routes());
+    assert!(!second.routes().is_empty());
+
+    let x = Tensor::<A, 2>::from_data(data(7, [4, DIM], 1.0, DType::F32), &device);
+    let forward = |stream: &WeightStream<A>, model: &common::Net<A>| {
+        stream.begin_step();
+        let out = bits(model.forward(x.clone(), Path::All).into_data());
+        (out, stream.end_step())
+    };
+    let (expected, _) = forward(&first, &model);
+    let (out, stats) = forward(&second, &adopted);
+    assert_eq!(out, expected);
+    assert!(stats.bytes_uploaded > 0, "the second stream uploads them");
+    // The adapters stay trainable, with the same ids.
+    let (a, b) = (&adopted.blocks[0].fc1.a, &model.blocks[0].fc1.a);
+    assert!(a.val().is_require_grad() && b.val().is_require_grad());
+    assert_eq!(a.id, b.id);
+}

@@ -44,20 +44,27 @@ fn largest_difference(a: &std::path::Path, b: &std::path::Path) -> f32 {
     largest.0 / largest.1
 }
 
+/// Equal losses, and adapters within f32 rounding of each other.
+fn assert_trained_alike(one: &TrainSummary, two: &TrainSummary) {
+    assert_eq!(one.losses.len(), two.losses.len());
+    for (a, b) in one.losses.iter().zip(&two.losses) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} and {b}");
+    }
+    let lora = |s: &TrainSummary| s.lora.clone().unwrap();
+    let difference = largest_difference(&lora(one), &lora(two));
+    assert!(
+        difference <= 1e-5,
+        "adapters differ by {difference} (relative)"
+    );
+}
+
 #[test]
 fn two_replicas_train_what_one_device_trains_with_the_same_global_batch() {
     let dir = tempfile::tempdir().unwrap();
     let one = run(&plan(&dir.path().join("one"), 3, 1), Resume::Auto).unwrap();
     let two = run(&plan(&dir.path().join("two"), 3, 2), Resume::Auto).unwrap();
     assert_eq!(one.losses.len(), 3);
-    for (a, b) in one.losses.iter().zip(&two.losses) {
-        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} and {b}");
-    }
-    let difference = largest_difference(&one.lora.unwrap(), &two.lora.unwrap());
-    assert!(
-        difference <= 1e-5,
-        "adapters differ by {difference} (relative)"
-    );
+    assert_trained_alike(&one, &two);
     // The adapters moved: a test of equal files that never trained would prove nothing.
     assert!(one.losses[0] != one.losses[2]);
 }
@@ -71,14 +78,7 @@ fn two_replicas_streaming_one_host_copy_train_what_one_device_trains() {
         run(&plan, Resume::Auto).unwrap()
     };
     let (one, two) = (streamed("one", 1), streamed("two", 2));
-    for (a, b) in one.losses.iter().zip(&two.losses) {
-        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} and {b}");
-    }
-    let difference = largest_difference(&one.lora.unwrap(), &two.lora.unwrap());
-    assert!(
-        difference <= 1e-5,
-        "adapters differ by {difference} (relative)"
-    );
+    assert_trained_alike(&one, &two);
 }
 
 #[test]

@@ -216,7 +216,10 @@ where
             .enumerate()
             .map(|(rank, (device, origin))| {
                 let (shared, group, probe) = (&shared, &group, probe.clone());
-                scope.spawn(move || {
+                let thread = std::thread::Builder::new()
+                    .name(format!("replica {rank}"))
+                    .stack_size(REPLICA_STACK);
+                let spawned = thread.spawn_scoped(scope, move || {
                     let replica = Replica::of(group, rank);
                     let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
                         train_replica::<F, B>(shared, replica, origin, device, probe)
@@ -225,7 +228,8 @@ where
                         group.fail();
                     }
                     outcome.unwrap_or_else(|payload| panic::resume_unwind(payload))
-                })
+                });
+                spawned.expect("spawning a replica's thread")
             })
             .collect();
         let outcomes: Vec<Result<TrainSummary, TrainError>> = replicas
@@ -261,6 +265,10 @@ fn first_cause(
         false => Err(errors.swap_remove(cause)),
     }
 }
+
+/// The stack of each replica's thread: what a main thread gets (8 MiB) several times over,
+/// as the model code recurses through module trees with large frames in debug builds.
+const REPLICA_STACK: usize = 64 << 20;
 
 /// Where a replica's model comes from.
 enum Origin<M> {
@@ -307,32 +315,7 @@ where
     let start = Instant::now();
     let stream = models::weight_stream::<TrainBackend<B>>(plan, device, probe)?;
     let names = family.lora_names();
-    let mut flux = match origin {
-        Origin::Built(copies) => {
-            let (mut flux, applied) = build::<F, B>(family, plan, &names, device, stream.as_ref())?;
-            tracing::info!(
-                "{} layers adapted, {} trainable parameters",
-                applied.count(),
-                applied.params()
-            );
-            if let Some(stream) = &stream {
-                flux = stream.stream_frozen(flux)?;
-                TrainBackend::<B>::memory_cleanup(device);
-            }
-            for copy in copies {
-                // A replica that is gone has failed, which the next meeting reports.
-                copy.send(flux.clone()).ok();
-            }
-            flux
-        }
-        Origin::Adopted(received) => {
-            let flux = received.recv().map_err(|_| TrainError::ReplicaFailed)?;
-            match &stream {
-                Some(stream) => stream.adopt(flux),
-                None => flux.fork(device),
-            }
-        }
-    };
+    let mut flux = replica_model::<F, B>(family, plan, &names, origin, device, stream.as_ref())?;
     let mut experts = match experts::second_plan(plan) {
         Some(second_plan) => {
             let mut second = family.load::<B>(&second_plan, device, stream.as_ref())?;
@@ -588,6 +571,47 @@ where
     }
     replica.leave::<Offload<B>>()?;
     Ok(summary)
+}
+
+/// A replica's denoiser with its adapters on `device`, its frozen weights in `stream` when
+/// there is one: built, then a copy sent to each other replica, or adopted from the first.
+fn replica_model<F: Family, B: StreamTarget>(
+    family: &F,
+    plan: &TrainPlan,
+    names: &LayoutNames,
+    origin: Origin<F::Model<TrainBackend<B>>>,
+    device: &B::Device,
+    stream: Option<&WeightStream<TrainBackend<B>>>,
+) -> Result<F::Model<TrainBackend<B>>, TrainError>
+where
+    F::Model<TrainBackend<B>>: AutodiffModule<TrainBackend<B>>,
+{
+    match origin {
+        Origin::Built(copies) => {
+            let (mut flux, applied) = build::<F, B>(family, plan, names, device, stream)?;
+            tracing::info!(
+                "{} layers adapted, {} trainable parameters",
+                applied.count(),
+                applied.params()
+            );
+            if let Some(stream) = stream {
+                flux = stream.stream_frozen(flux)?;
+                TrainBackend::<B>::memory_cleanup(device);
+            }
+            for copy in copies {
+                // A replica that is gone has failed, which the next meeting reports.
+                copy.send(flux.clone()).ok();
+            }
+            Ok(flux)
+        }
+        Origin::Adopted(received) => {
+            let flux = received.recv().map_err(|_| TrainError::ReplicaFailed)?;
+            Ok(match stream {
+                Some(stream) => stream.adopt(flux),
+                None => flux.fork(device),
+            })
+        }
+    }
 }
 
 /// The family's denoiser on `device` with its adapters (saved under `names`): loaded (or

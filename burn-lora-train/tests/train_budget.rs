@@ -35,7 +35,9 @@ fn probed_by(
     resume: Resume,
     probe: Arc<dyn MemoryProbe>,
 ) -> Result<TrainSummary, TrainError> {
-    train_with_memory_probe::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice], probe)
+    common::on_large_stack(|| {
+        train_with_memory_probe::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice], probe)
+    })
 }
 
 fn with_budget(output: &Path, steps: u64, budget: Option<u64>) -> TrainPlan {

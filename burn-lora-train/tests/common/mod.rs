@@ -35,7 +35,20 @@ pub static TURN: Mutex<()> = Mutex::new(());
 /// `plan` trained on the CPU, one run at a time within the test binary.
 pub fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
     let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    train::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice])
+    on_large_stack(|| train::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice]))
+}
+
+/// `f` on a thread with a 16 MiB stack, as a program's main thread has room for: in debug
+/// builds the model code's frames outgrow the 2 MiB of a test's thread.
+pub fn on_large_stack<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .stack_size(16 << 20)
+            .spawn_scoped(scope, f)
+            .expect("spawning a test's thread")
+            .join()
+            .unwrap_or_else(|payload| std::panic::resume_unwind(payload))
+    })
 }
 
 /// Every adapter tensor of a LoRA file as f32 bits, by name and role.

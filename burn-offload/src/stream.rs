@@ -249,21 +249,17 @@ struct AdoptMapper<'a, B: OffloadBackend> {
 
 impl<B: OffloadBackend> ModuleMapper<B> for AdoptMapper<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let weight = match tensor.clone().into_primitive() {
+        let weight = match param.val().into_primitive() {
             TensorPrimitive::Float(t) => B::as_offload(&t).as_streamed().map(|s| s.weight.clone()),
             TensorPrimitive::QFloat(_) => None,
         };
-        let tensor = match weight {
+        match weight {
             Some(weight) => {
                 self.weights.push(weight.clone());
-                self.stream.tensor(weight)
+                let (id, _, mapper) = param.consume();
+                Param::from_mapped_value(id, self.stream.tensor(weight), mapper)
             }
-            None => {
-                let moved = tensor.clone().to_device(&self.stream.device).detach();
-                moved.set_require_grad(tensor.is_require_grad())
-            }
-        };
-        Param::from_mapped_value(id, tensor, mapper)
+            None => param.fork(&self.stream.device),
+        }
     }
 }

@@ -17,11 +17,13 @@
 set -eu
 n=${1:-2}
 config=${CONFIG:-examples/flux/bench.yaml}
+out="$(dirname "$config")/output"
 export BURNLORA_MODEL__QUANTIZE=e5m2 BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB=12
 run() {
   name=$1
   shift
   log="${LOGS:-.}/dp_$name.log"
+  rm -rf "${out:?}/$name" # a run folder left by an earlier call would be resumed
   if ! env BURNLORA_NAME="$name" "$@" burnlora train "$config" > "$log" 2>&1; then
     echo "$name failed (log $log):"
     grep -m 1 '^Error' "$log"
@@ -35,6 +37,5 @@ run "scale$n" BURNLORA_TRAIN__STEPS=6 BURNLORA_TRAIN__DEVICES="$n"
 run same1 BURNLORA_TRAIN__STEPS=3 BURNLORA_TRAIN__GRADIENT_ACCUMULATION_STEPS="$n"
 run same1again BURNLORA_TRAIN__STEPS=3 BURNLORA_TRAIN__GRADIENT_ACCUMULATION_STEPS="$n"
 run "same$n" BURNLORA_TRAIN__STEPS=3 BURNLORA_TRAIN__DEVICES="$n"
-out="$(dirname "$config")/output"
 python3 benches/compare_lora.py "$out/same1/same1_000000003.safetensors" \
   "$out/same1again/same1again_000000003.safetensors" "$out/same$n/same${n}_000000003.safetensors"

@@ -10,7 +10,7 @@ use burn::backend::flex::FlexDevice;
 use burn_lora_train::config::TrainPlan;
 use burn_lora_train::report::StopFlag;
 use burn_lora_train::train::{Resume, TrainError, TrainSummary, devices, train};
-use common::{TURN, example_plan, on_large_stack, weights};
+use common::{example_plan, run, weights};
 
 /// The tiny FLUX.1 example for `steps` steps of two micro-batches each: accumulated on one
 /// device, or one on each of two.
@@ -20,13 +20,6 @@ fn plan(output: &std::path::Path, steps: u64, devices: usize) -> TrainPlan {
     plan.train.devices = devices;
     plan.train.gradient_accumulation_steps = 2 / devices;
     plan
-}
-
-/// `plan` trained on one CPU device per replica.
-fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
-    let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let cpus = vec![FlexDevice; plan.train.devices];
-    on_large_stack(|| train::<Flex>(plan, resume, &StopFlag::default(), &cpus))
 }
 
 /// The largest difference between two LoRA files' tensors, relative to the largest value.

@@ -32,10 +32,12 @@ pub fn example_plan(file: &str, output: &Path, steps: u64) -> TrainPlan {
 /// two runs at once in one test binary would draw from each other's sequences.
 pub static TURN: Mutex<()> = Mutex::new(());
 
-/// `plan` trained on the CPU, one run at a time within the test binary.
+/// `plan` trained on the CPU, on one CPU device per replica (`train.devices`), one run at a
+/// time within the test binary.
 pub fn run(plan: &TrainPlan, resume: Resume) -> Result<TrainSummary, TrainError> {
     let _turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    on_large_stack(|| train::<Flex>(plan, resume, &StopFlag::default(), &[FlexDevice]))
+    let cpus = vec![FlexDevice; plan.train.devices];
+    on_large_stack(|| train::<Flex>(plan, resume, &StopFlag::default(), &cpus))
 }
 
 /// `f` on a thread with a 16 MiB stack, as a program's main thread has room for: in debug

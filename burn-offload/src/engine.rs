@@ -164,6 +164,9 @@ struct State<B: StreamTarget> {
     counters: Counters,
     step_started: Option<Instant>,
     steps: u64,
+    /// Set when resident copies changed: the next step's start hands the allocator's free
+    /// pages back to the device.
+    cleanup_at_start: bool,
     shutdown: bool,
 }
 
@@ -527,6 +530,7 @@ impl<B: StreamTarget> Engine<B> {
                     counters: Counters::default(),
                     step_started: None,
                     steps: 0,
+                    cleanup_at_start: false,
                     shutdown: false,
                 }),
                 changed: Condvar::new(),
@@ -562,15 +566,46 @@ impl<B: StreamTarget> Engine<B> {
         st.config = config;
         let dropped = st.replan();
         drop(st);
-        self.return_memory(dropped);
+        self.settle_residency(dropped);
         Ok(())
     }
 
-    /// After resident copies of `dropped` bytes were dropped: hands the allocator's free pages
-    /// back to the device, so that what a later step measures beside the weights does not
-    /// count the pages those copies left behind.
-    fn return_memory(&self, dropped: u64) {
-        if dropped > 0 {
+    /// After a plan that ran steps, uploads the weights it made resident that are not yet (so
+    /// that no step pays the uploads, their drains and their staging pages), and, when copies
+    /// were dropped (`dropped` bytes) or uploaded, hands the allocator's free pages back to the
+    /// device, now and again at the next step's start (pages of dropped copies that the step
+    /// just ended still held are free by then), so that what a later step measures beside the
+    /// weights does not count them.
+    fn settle_residency(&self, dropped: u64) {
+        let mut uploaded = false;
+        let mut st = self.lock();
+        if st.steps > 0 {
+            let wanted: Vec<(Arc<HostWeight>, Route)> = st
+                .weights
+                .values()
+                .filter_map(Weak::upgrade)
+                .filter_map(|w| {
+                    let route = *st.routes.get(&w.id)?;
+                    (route.is_resident() && !st.resident.contains_key(&w.id)).then_some((w, route))
+                })
+                .collect();
+            for (weight, route) in wanted {
+                drop(st);
+                let compact = route == Route::Compact;
+                let tensor = self.upload(&weight, compact);
+                let bytes = if compact {
+                    B::compact_bytes(&weight)
+                } else {
+                    weight.device_bytes()
+                };
+                st = self.lock();
+                st.keep_resident(weight.id, tensor, bytes as u64, route);
+                uploaded = true;
+            }
+        }
+        if dropped > 0 || uploaded {
+            st.cleanup_at_start = true;
+            drop(st);
             B::memory_cleanup(&self.device);
         }
     }
@@ -618,7 +653,7 @@ impl<B: StreamTarget> Engine<B> {
         }
         let dropped = st.replan();
         drop(st);
-        self.return_memory(dropped);
+        self.settle_residency(dropped);
     }
 
     /// The route of every live weight, by name, in registration order.
@@ -641,6 +676,9 @@ impl<B: StreamTarget> Engine<B> {
         st.consumed = 0;
         st.counters = Counters::default();
         st.step_started = Some(Instant::now());
+        if std::mem::take(&mut st.cleanup_at_start) {
+            B::memory_cleanup(&self.device);
+        }
         st = self.resize_ring(st);
         st.sample_memory(&self.device, 0);
         drop(st);
@@ -722,7 +760,7 @@ impl<B: StreamTarget> Engine<B> {
                 .map(|b| b / 1_000_000),
             "offload step"
         );
-        self.return_memory(dropped);
+        self.settle_residency(dropped);
         stats
     }
 

@@ -591,15 +591,8 @@ impl<B: StreamTarget> Engine<B> {
                 .collect();
             for (weight, route) in wanted {
                 drop(st);
-                let compact = route == Route::Compact;
-                let tensor = self.upload(&weight, compact);
-                let bytes = if compact {
-                    B::compact_bytes(&weight)
-                } else {
-                    weight.device_bytes()
-                };
+                self.upload_resident(&weight, route);
                 st = self.lock();
-                st.keep_resident(weight.id, tensor, bytes as u64, route);
                 uploaded = true;
             }
         }
@@ -849,28 +842,19 @@ impl<B: StreamTarget> Engine<B> {
         }
         match st.route(weight) {
             route @ (Route::Resident | Route::Compact) => {
-                let compact = route == Route::Compact;
                 let stored = match st.resident.get(&weight.id) {
                     Some((t, _, _)) => {
                         let t = t.clone();
                         st.counters.resident_hits += 1;
                         st.sample_use_memory(&self.device, 0);
+                        drop(st);
                         t
                     }
                     None => {
                         drop(st);
-                        let t = self.upload(weight, compact);
-                        let bytes = if compact {
-                            B::compact_bytes(weight)
-                        } else {
-                            weight.device_bytes()
-                        };
-                        st = self.lock();
-                        st.keep_resident(weight.id, t.clone(), bytes as u64, route);
-                        t
+                        self.upload_resident(weight, route)
                     }
                 };
-                drop(st);
                 op(self.resident_view(&stored, route, weight))
             }
             Route::Direct => {
@@ -1083,6 +1067,20 @@ impl<B: StreamTarget> Engine<B> {
             Route::Compact => B::expand(stored, weight, &self.device),
             _ => stored.clone(),
         }
+    }
+
+    /// Uploads `weight` as the resident copy of `route` (decoded or compact) and keeps it.
+    fn upload_resident(&self, weight: &HostWeight, route: Route) -> FloatTensor<B> {
+        let compact = route == Route::Compact;
+        let tensor = self.upload(weight, compact);
+        let bytes = if compact {
+            B::compact_bytes(weight)
+        } else {
+            weight.device_bytes()
+        };
+        self.lock()
+            .keep_resident(weight.id, tensor.clone(), bytes as u64, route);
+        tensor
     }
 
     /// Uploads `weight` into a tensor of its own (compact or decoded), counting the bytes and

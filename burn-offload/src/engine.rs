@@ -687,14 +687,12 @@ impl<B: StreamTarget> Engine<B> {
             st = self.fence_released(st);
         }
         let schedule = st.schedule.end_step();
-        let dropped = if matches!(
+        // Only a recorded or diverged step changes the plan, and so what is resident.
+        let replanned = matches!(
             schedule,
             ScheduleOutcome::Recorded { .. } | ScheduleOutcome::Diverged { .. }
-        ) {
-            st.replan()
-        } else {
-            0
-        };
+        )
+        .then(|| st.replan());
         st.cancel_prefetch();
         st.drop_kept();
         st.steps += 1;
@@ -753,7 +751,9 @@ impl<B: StreamTarget> Engine<B> {
                 .map(|b| b / 1_000_000),
             "offload step"
         );
-        self.settle_residency(dropped);
+        if let Some(dropped) = replanned {
+            self.settle_residency(dropped);
+        }
         stats
     }
 

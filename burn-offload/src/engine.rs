@@ -482,6 +482,16 @@ fn plan_limits(config: &OffloadConfig) -> PlanLimits {
     }
 }
 
+/// Hands the allocator's free pages back to the device, and waits for the device: CUDA's
+/// stream-ordered frees return their memory to the system only at a synchronization, and until
+/// then the driver's count of used memory, which the engine reads as the need beside the
+/// weights, still holds them.
+fn release_free_pages<B: StreamTarget>(device: &B::Device) {
+    B::memory_cleanup(device);
+    B::sync(device)
+        .unwrap_or_else(|e| panic!("waiting for the device after freeing memory: {e:?}"));
+}
+
 /// Releases a slot when dropped, also when the op that read it panicked.
 struct SlotLease<'a, B: StreamTarget> {
     engine: &'a Engine<B>,
@@ -599,7 +609,7 @@ impl<B: StreamTarget> Engine<B> {
         if dropped > 0 || uploaded {
             st.cleanup_at_start = true;
             drop(st);
-            B::memory_cleanup(&self.device);
+            release_free_pages::<B>(&self.device);
         }
     }
 
@@ -670,7 +680,7 @@ impl<B: StreamTarget> Engine<B> {
         st.counters = Counters::default();
         st.step_started = Some(Instant::now());
         if std::mem::take(&mut st.cleanup_at_start) {
-            B::memory_cleanup(&self.device);
+            release_free_pages::<B>(&self.device);
         }
         st = self.resize_ring(st);
         st.sample_memory(&self.device, 0);
@@ -779,7 +789,7 @@ impl<B: StreamTarget> Engine<B> {
         if st.ring.take().is_some() {
             // The old slots' pages go back to the device: slots of another size would not sit
             // in them, and a step would count them beside the weights as its own need.
-            B::memory_cleanup(&self.device);
+            release_free_pages::<B>(&self.device);
         }
         if wanted.1 > 0 {
             let memory = B::new_ring(&self.device, wanted.0, wanted.1)

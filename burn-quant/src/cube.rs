@@ -48,16 +48,20 @@ fn decode(code: u32, #[comptime] e4m3: bool) -> f32 {
     f32::reinterpret(bits | sign)
 }
 
+/// Decodes one `u32` word of codes per unit. Where every word lies within one row and one
+/// scale block (`whole_words`), the unit reads its scale once and writes its four values as one
+/// vector (`N` = 4); otherwise (`N` = 1) each value finds its own scale and is written alone.
 #[cube(launch)]
-fn dequantize_kernel<F: Float>(
+fn dequantize_kernel<F: Float, N: Size>(
     words: &Array<u32>,
     scales: &Array<f32>,
-    output: &mut Array<F>,
+    output: &mut Array<Vector<F, N>>,
     numel: usize,
     cols: usize,
     block_len: usize,
     blocks_per_row: usize,
     #[comptime] e4m3: bool,
+    #[comptime] whole_words: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let word_index = ABSOLUTE_POS;
@@ -65,13 +69,25 @@ fn dequantize_kernel<F: Float>(
         terminate!();
     }
     let word = words[word_index];
-    #[unroll]
-    for k in 0..4usize {
-        let i = word_index * 4 + k;
-        if i < numel {
+    let first = word_index * 4;
+    if whole_words {
+        let scale = scales[(first / cols) * blocks_per_row + (first % cols) / block_len];
+        let mut values = Vector::<F, N>::empty();
+        #[unroll]
+        for k in 0..4usize {
             let code = (word >> (8u32 * k as u32)) & 0xffu32;
-            let scale = scales[(i / cols) * blocks_per_row + (i % cols) / block_len];
-            output[i] = F::cast_from(decode(code, e4m3) * scale);
+            values[k] = F::cast_from(decode(code, e4m3) * scale);
+        }
+        output[word_index] = values;
+    } else {
+        #[unroll]
+        for k in 0..4usize {
+            let i = first + k;
+            if i < numel {
+                let code = (word >> (8u32 * k as u32)) & 0xffu32;
+                let scale = scales[(i / cols) * blocks_per_row + (i % cols) / block_len];
+                output[i] = Vector::cast_from(decode(code, e4m3) * scale);
+            }
         }
     }
 }
@@ -103,29 +119,37 @@ pub fn dequantize_codes<R: CubeRuntime>(
     if numel == 0 {
         return output;
     }
+    let cols = layout.cols.max(1);
+    let block_len = layout.block_len.max(1);
+    // Rows and scale blocks of whole words: each word's four values share one scale.
+    let whole_words = cols % 4 == 0 && block_len % 4 == 0;
+    let vector_size = if whole_words { 4 } else { 1 };
     let cube_dim = CubeDim::new(client, words);
     let cube_count = calculate_cube_count_elemwise(client, words, cube_dim);
     // SAFETY: the lengths given match the buffers' sizes: `words` u32 words of codes and
-    // `layout.count()` f32 scales, checked by the callers, and `numel` outputs just allocated.
+    // `layout.count()` f32 scales, checked by the callers, and `numel` outputs just allocated
+    // (`numel / 4` vectors of four where rows are whole words, so `numel` is a multiple of 4).
     let (codes, scales, out) = unsafe {
         (
             ArrayArg::from_raw_parts(codes, words),
             ArrayArg::from_raw_parts(scales, layout.count()),
-            ArrayArg::from_raw_parts(output.handle.clone(), numel),
+            ArrayArg::from_raw_parts(output.handle.clone(), numel / vector_size),
         )
     };
     dequantize_kernel::launch(
         client,
         cube_count,
         cube_dim,
+        vector_size,
         codes,
         scales,
         out,
         numel,
-        layout.cols.max(1),
-        layout.block_len.max(1),
+        cols,
+        block_len,
         layout.blocks_per_row,
         spec.format == Fp8Format::E4M3,
+        whole_words,
         dtype.into(),
     );
     output
@@ -150,5 +174,49 @@ where
         let codes = client.create_from_slice(&padded_codes(tensor));
         let scales = client.create_from_slice(bytemuck::cast_slice(&tensor.scales));
         dequantize_codes(&client, device, codes, scales, &tensor.spec, dtype)
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::tensor::FloatDType;
+
+    use crate::{FloatBytes, Fp8Format, Fp8Tensor, Granularity, dequantize};
+
+    type Gpu = burn::backend::wgpu::Wgpu;
+
+    /// The device decodes every format and granularity as the CPU does, bit for bit, in shapes
+    /// whose rows are whole words (one scale and one vector store per word) and shapes whose
+    /// rows, scale blocks or length split words.
+    #[test]
+    fn the_device_decodes_as_the_cpu_does() {
+        let device = Default::default();
+        for shape in [[6, 128], [3, 136], [5, 7], [2, 130], [1, 9]] {
+            let numel = shape[0] * shape[1];
+            let values: Vec<f32> = (0..numel)
+                .map(|i| ((i as f32) * 0.618).sin() * 2f32.powi((i % 23) as i32 - 12))
+                .collect();
+            for format in Fp8Format::ALL {
+                for granularity in Granularity::ALL {
+                    let q = Fp8Tensor::quantize(
+                        FloatBytes::from_f32(&values),
+                        &shape,
+                        format,
+                        granularity,
+                    );
+                    let device_values: Vec<f32> =
+                        dequantize::<Gpu, 2>(&q, &device, FloatDType::F32)
+                            .into_data()
+                            .to_vec()
+                            .unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&device_values),
+                        bits(&q.dequantize()),
+                        "{format} {granularity} {shape:?}"
+                    );
+                }
+            }
+        }
     }
 }

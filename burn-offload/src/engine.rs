@@ -1079,10 +1079,15 @@ impl<B: StreamTarget> Engine<B> {
         }
     }
 
-    /// Uploads `weight` as the resident copy of `route` (decoded or compact) and keeps it.
+    /// Uploads `weight` as the resident copy of `route` (decoded or compact) and keeps it, in
+    /// the allocator's persistent memory: buffers of its exact size, which no activation of
+    /// another size takes, instead of a page of the step's pools (a free page may be several
+    /// times larger than the copy, and the activations that used it then take new ones).
     fn upload_resident(&self, weight: &HostWeight, route: Route) -> FloatTensor<B> {
         let compact = route == Route::Compact;
-        let tensor = self.upload(weight, compact);
+        let tensor = B::memory_persistent_allocations(&self.device, weight, |weight| {
+            self.upload(weight, compact)
+        });
         let bytes = if compact {
             B::compact_bytes(weight)
         } else {

@@ -470,6 +470,11 @@ static KEEP_NOTHING: Retention = Retention::NONE;
 /// weight uses (a driver call each on CUDA).
 const MEMORY_SAMPLE_EVERY: u64 = 16;
 
+/// Resident copies of at least this many bytes are allocated in the allocator's persistent
+/// memory ([`Engine::upload_resident`]). Smaller ones stay in the step's pools: the persistent
+/// pool also takes every later allocation of a size it holds, and small sizes are common.
+const PERSISTENT_BYTES: usize = 1 << 20;
+
 /// The planner's limits for `config`.
 fn plan_limits(config: &OffloadConfig) -> PlanLimits {
     PlanLimits {
@@ -1079,15 +1084,19 @@ impl<B: StreamTarget> Engine<B> {
         }
     }
 
-    /// Uploads `weight` as the resident copy of `route` (decoded or compact) and keeps it, in
-    /// the allocator's persistent memory: buffers of its exact size, which no activation of
-    /// another size takes, instead of a page of the step's pools (a free page may be several
-    /// times larger than the copy, and the activations that used it then take new ones).
+    /// Uploads `weight` as the resident copy of `route` (decoded or compact) and keeps it. A
+    /// copy of [`PERSISTENT_BYTES`] or more goes to the allocator's persistent memory, a buffer
+    /// of its exact size, instead of a page of the step's pools: a free page there may be
+    /// several times larger than the copy, and the activations that used it then take new ones.
     fn upload_resident(&self, weight: &HostWeight, route: Route) -> FloatTensor<B> {
         let compact = route == Route::Compact;
-        let tensor = B::memory_persistent_allocations(&self.device, weight, |weight| {
+        let tensor = if weight.device_bytes() >= PERSISTENT_BYTES {
+            B::memory_persistent_allocations(&self.device, weight, |weight| {
+                self.upload(weight, compact)
+            })
+        } else {
             self.upload(weight, compact)
-        });
+        };
         let bytes = if compact {
             B::compact_bytes(weight)
         } else {

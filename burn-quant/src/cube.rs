@@ -122,7 +122,7 @@ pub fn dequantize_codes<R: CubeRuntime>(
     let cols = layout.cols.max(1);
     let block_len = layout.block_len.max(1);
     // Rows and scale blocks of whole words: each word's four values share one scale.
-    let whole_words = cols % 4 == 0 && block_len % 4 == 0;
+    let whole_words = cols.is_multiple_of(4) && block_len.is_multiple_of(4);
     let vector_size = if whole_words { 4 } else { 1 };
     let cube_dim = CubeDim::new(client, words);
     let cube_count = calculate_cube_count_elemwise(client, words, cube_dim);
@@ -193,8 +193,18 @@ mod tests {
         let device = Default::default();
         for shape in [[6, 128], [3, 136], [5, 7], [2, 130], [1, 9]] {
             let numel = shape[0] * shape[1];
+            // Signed zeros, values that underflow to subnormal codes, NaN and infinities
+            // among values spread over 2^-14 .. 2^8.
             let values: Vec<f32> = (0..numel)
-                .map(|i| ((i as f32) * 0.618).sin() * 2f32.powi((i % 23) as i32 - 12))
+                .map(|i| match i % 31 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => f32::NAN,
+                    3 => f32::INFINITY,
+                    4 => f32::NEG_INFINITY,
+                    5 => 3e-7,
+                    _ => (i as f32 * 0.37).cos() * 2f32.powi((i % 23) as i32 - 14),
+                })
                 .collect();
             for format in Fp8Format::ALL {
                 for granularity in Granularity::ALL {

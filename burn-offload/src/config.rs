@@ -53,9 +53,10 @@ pub struct OffloadConfig {
     pub link_bytes_per_second: f64,
     /// Compute throughput the planner assumes for the linear ops (FLOP per second).
     pub compute_flops_per_second: f64,
-    /// A streamed weight used again at most this many uses later stays on the device in
-    /// between (a copy of its own, within the budget): a checkpointed block's recompute is
-    /// followed by its backward, which uses the same weights in reverse. 0 keeps nothing.
+    /// A streamed weight, or a compact resident one, used again at most this many uses later
+    /// stays on the device decoded in between (a copy of its own, within the budget): a
+    /// checkpointed block's recompute is followed by its backward, which uses the same weights
+    /// in reverse. 0 keeps nothing.
     pub retain_window: usize,
     /// Debug mode: overwrite a slot with NaN as soon as it may be reused, so that a read of a
     /// released weight shows up as NaN instead of silently reading another weight.

@@ -5,7 +5,8 @@
 //! thread fills slots for the uses the replayed schedule announces, up to the prefetch depth
 //! ahead of the compute; the compute thread takes a `Ready` slot, runs its op on a view of it
 //! and releases it, or, when the policy's [`Retention`] says the weight is used again soon,
-//! first copies it into a tensor of its own that the next use takes without a transfer. A
+//! first copies it into a tensor of its own that the next use takes without a transfer (a
+//! weight resident in compact form keeps its decoded copy so, and is decoded once less). A
 //! fence after the ops that read released slots is taken by the compute thread (fences follow
 //! the work of the thread that takes them) once half the ring is released, or at once when the
 //! loader has found no slot to fill: one fence frees every slot released before it. A loader
@@ -857,6 +858,19 @@ impl<B: StreamTarget> Engine<B> {
         }
         match st.route(weight) {
             route @ (Route::Resident | Route::Compact) => {
+                let replayed = match decision {
+                    Use::Replay(index) if route == Route::Compact => Some(index),
+                    _ => None,
+                };
+                if let Some(index) = replayed.filter(|&i| st.retention().is_kept(i))
+                    && let Some(tensor) = st.take_kept(weight.id, index)
+                {
+                    st.counters.kept += 1;
+                    st.sample_use_memory(&self.device, 0);
+                    drop(st);
+                    return op(tensor);
+                }
+                let keep = replayed.is_some_and(|i| st.retention().keeps(i));
                 let stored = match st.resident.get(&weight.id) {
                     Some((t, _, _)) => {
                         let t = t.clone();
@@ -870,7 +884,12 @@ impl<B: StreamTarget> Engine<B> {
                         self.upload_resident(weight, route)
                     }
                 };
-                op(self.resident_view(&stored, route, weight))
+                let view = self.resident_view(&stored, route, weight);
+                if keep {
+                    self.lock()
+                        .keep_copy(weight.id, view.clone(), weight.device_bytes() as u64);
+                }
+                op(view)
             }
             Route::Direct => {
                 st.counters.direct += 1;

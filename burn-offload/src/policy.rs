@@ -473,14 +473,15 @@ impl Retention {
 }
 
 /// Chooses the uses of `order` (each the index of its weight in `weights`, `None` for a
-/// weight no longer live) after which a weight routed through the ring stays on the device
-/// until its next use, at most `window` uses later, with at most `limit` bytes (the weights'
-/// `device_bytes`) kept at once.
+/// weight no longer live) after which a weight routed through the ring, or resident in compact
+/// form, stays on the device decoded until its next use, at most `window` uses later, with at
+/// most `limit` bytes (the weights' `device_bytes`) kept at once.
 ///
 /// Candidates are taken shortest first (then by position), each if the bytes kept over its
 /// span stay within `limit`. A checkpointed block's recompute runs just before its backward,
 /// which uses the same weights in reverse: keeping them between the two saves one of the
-/// three crossings of the bus per step, for the memory of one block's weights.
+/// three crossings of the bus per step (and one of the three decodings of a compact weight),
+/// for the memory of one block's weights.
 pub fn retention(
     order: &[Option<usize>],
     weights: &[WeightProfile],
@@ -502,7 +503,8 @@ pub fn retention(
         .filter_map(|(i, w)| {
             let w = (*w)?;
             let j = next[i]?;
-            (routes[w] == Route::Ring && j - i <= window).then(|| (i, j, weights[w].device_bytes))
+            let decoded_at_use = matches!(routes[w], Route::Ring | Route::Compact);
+            (decoded_at_use && j - i <= window).then(|| (i, j, weights[w].device_bytes))
         })
         .collect();
     spans.sort_by_key(|&(i, j, _)| (j - i, i));
@@ -531,9 +533,10 @@ pub fn retention(
 /// bound at budget 0), and the resident weights are planned in what it leaves. Retention comes
 /// first: keeping one block's weights between its recompute and its backward saves a third of
 /// every streamed weight's transfers, where the same bytes kept resident save the transfers of
-/// those weights alone. Where [`plan`] without retention moves no more bytes over a step of each
-/// order (a budget that holds nearly every weight), that plan is taken instead. Steps of
-/// different orders never run at once, so the retention needs the most any one order keeps.
+/// those weights alone. Where [`plan`] without that reserve moves no more bytes over a step of
+/// each order (a budget that holds nearly every weight) and decodes no more (what the reserve
+/// would keep, it decodes once at load instead), that plan is taken. Steps of different orders
+/// never run at once, so the retention needs the most any one order keeps.
 pub fn plan_step(
     weights: &[WeightProfile],
     orders: &[Vec<Option<usize>>],
@@ -564,15 +567,20 @@ pub fn plan_step(
     );
     let retentions = retained(&plan.routes, most);
     let without = self::plan(weights, limits);
-    let moved = |plan: &Plan, retentions: &[Retention]| -> u64 {
+    let cost = |plan: &Plan, retentions: &[Retention]| -> (u64, u64) {
         orders
             .iter()
             .zip(retentions)
-            .map(|(order, r)| bytes_moved(weights, order, plan, r))
-            .sum()
+            .map(|(order, r)| {
+                (
+                    bytes_moved(weights, order, plan, r),
+                    bytes_decoded(weights, order, plan, r),
+                )
+            })
+            .fold((0, 0), |(m, d), (a, b)| (m + a, d + b))
     };
     let none = vec![Retention::default(); orders.len()];
-    if moved(&without, &none) <= moved(&plan, &retentions) {
+    if cost(&without, &none) <= cost(&plan, &retentions) {
         return (without, none);
     }
     (plan, retentions)
@@ -592,6 +600,30 @@ fn bytes_moved(
         .filter_map(|(i, w)| Some((i, (*w)?)))
         .filter(|&(i, w)| !plan.routes[w].is_resident() && !retention.is_kept(i))
         .map(|(_, w)| weights[w].wire_bytes)
+        .sum()
+}
+
+/// Decoded bytes a step writes with `plan` and `retention`: every use of a weight that reaches
+/// the device compact (resident so, or streamed in FP8) but those that find it kept.
+fn bytes_decoded(
+    weights: &[WeightProfile],
+    order: &[Option<usize>],
+    plan: &Plan,
+    retention: &Retention,
+) -> u64 {
+    order
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| Some((i, (*w)?)))
+        .filter(|&(i, w)| {
+            let compact = match plan.routes[w] {
+                Route::Compact => true,
+                Route::Ring | Route::Direct => weights[w].compact_bytes < weights[w].device_bytes,
+                Route::Resident => false,
+            };
+            compact && !retention.is_kept(i)
+        })
+        .map(|(_, w)| weights[w].device_bytes)
         .sum()
 }
 
@@ -1174,12 +1206,15 @@ mod tests {
             assert_eq!(r.peak_bytes, peak, "{window} {limit}");
             assert_eq!(r.kept_uses(), kept.len());
         }
-        // Resident weights and weights no longer live are not kept.
+        // Resident weights and weights no longer live are not kept; compact ones are.
         let routes = vec![Route::Ring, Route::Ring, Route::Resident, Route::Direct];
         let mut order = checkpointed(2);
         order[9] = None;
         let r = retention(&order, &weights, &routes, 3, u64::MAX);
         assert_eq!(kept_uses(&r, order.len()), (vec![8], vec![11]));
+        let routes = vec![Route::Ring, Route::Ring, Route::Compact, Route::Direct];
+        let r = retention(&order, &weights, &routes, 3, u64::MAX);
+        assert_eq!(kept_uses(&r, order.len()), (vec![2, 4, 8], vec![4, 7, 11]));
     }
 
     #[test]
@@ -1205,7 +1240,7 @@ mod tests {
                 assert!(bytes_moved(&eight, &order, &p, &r) <= without);
                 for (i, w) in order.iter().enumerate() {
                     if r.keeps(i) || r.is_kept(i) {
-                        assert_eq!(p.routes[w.unwrap()], Route::Ring);
+                        assert!(matches!(p.routes[w.unwrap()], Route::Ring | Route::Compact));
                     }
                 }
             }
@@ -1230,6 +1265,27 @@ mod tests {
             (p.resident_bytes, r.kept_uses(), r.peak_bytes),
             (0, 10, 200)
         );
+    }
+
+    #[test]
+    fn compact_weights_are_kept_decoded_where_that_saves_more_decoding_than_residency() {
+        // FP8 weights of 100 bytes (200 decoded), window 1: each block's second weight may be
+        // kept decoded from its recompute to its backward, 200 bytes at a time. The budget holds
+        // every weight compact and 200 bytes more: one block's kept weight, or two weights
+        // decoded once at load (each saving its three decodings).
+        let decodings = |blocks: usize| {
+            let order = checkpointed(blocks);
+            let weights = vec![fp8(100, 3, 0.0); 2 * blocks];
+            let budget = 100 * 2 * blocks as u64 + 200;
+            let (p, r) = plan_step(&weights, std::slice::from_ref(&order), 1, &limits(budget));
+            let compact = p.routes.iter().filter(|r| **r == Route::Compact).count();
+            let decoded = bytes_decoded(&weights, &order, &p, &r[0]);
+            (compact, r[0].kept_uses(), r[0].peak_bytes, decoded / 200)
+        };
+        // Sixteen blocks: keeping saves 16 decodings a step, residency 6.
+        assert_eq!(decodings(16), (32, 16, 200, 96 - 16));
+        // Two blocks: keeping saves 2, residency 6.
+        assert_eq!(decodings(2), (2, 0, 0, 6));
     }
 
     #[test]

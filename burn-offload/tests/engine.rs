@@ -478,6 +478,80 @@ fn weights_that_fit_only_in_their_wire_format_stay_resident_in_it() {
     assert_eq!(outputs, streamed);
 }
 
+/// Frozen layers each applied twice in a row: every weight's two forward uses are adjacent, and
+/// so are its two backward uses, as a checkpointed block's recompute and backward are.
+#[derive(Module, Debug)]
+struct Twice<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+impl<B: Backend> Twice<B> {
+    const LAYERS: usize = 16;
+
+    fn new(device: &B::Device) -> Self {
+        let linear = |seed| Linear {
+            weight: burn::module::Param::from_data(
+                data(seed, [DIM, DIM], 0.25, DType::F32),
+                device,
+            ),
+            bias: None,
+        };
+        Self {
+            layers: (0..Self::LAYERS as u64).map(linear).collect(),
+        }
+        .no_grad()
+    }
+
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.layers
+            .iter()
+            .fold(x, |h, layer| layer.forward(layer.forward(h)))
+    }
+}
+
+#[test]
+fn a_compact_weight_keeps_its_decoded_copy_until_its_next_use() {
+    let device = Default::default();
+    let x = data(7, [8, DIM], 1.0, DType::F32);
+    let wire = ring_of_two()
+        .with_wire(WireFormat::Bf16)
+        .with_rates(1e9, 1e12)
+        .with_retain_window(1);
+    // The output and the input's gradient of three steps, with each step's statistics.
+    let run = |config: OffloadConfig| {
+        let stream = WeightStream::<A>::new(&device, config).unwrap();
+        let model = stream.stream_frozen(Twice::<A>::new(&device)).unwrap();
+        let (mut records, mut stats) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            stream.begin_step();
+            let x = Tensor::<A, 2>::from_data(x.clone(), &device).require_grad();
+            let out = model.forward(x.clone());
+            let grads = out.clone().sum().backward();
+            let grad = x.grad(&grads).unwrap();
+            records.push((bits(out.into_data()), bits(grad.into_data())));
+            stats.push(stream.end_step());
+        }
+        (records, stats, stream.routes(), stream.memory_plan())
+    };
+    let (streamed, _, _, _) = run(wire.clone());
+    // Every matrix in bfloat16 (half its f32 bytes), and one matrix decoded: kept between two
+    // adjacent uses (the last layer's too: its second forward use and first backward use), it
+    // saves 33 decodings a step, where decoding two matrices at load would save 8.
+    let matrix = (DIM * DIM * 4) as u64;
+    let budget = Twice::<A>::LAYERS as u64 * matrix / 2 + matrix;
+    let (records, stats, routes, plan) = run(wire.with_vram_budget(budget));
+    assert!(
+        routes.iter().all(|(_, r)| *r == Route::Compact),
+        "{routes:?}"
+    );
+    assert_eq!(plan.retained_bytes, matrix);
+    let replayed = &stats[2];
+    assert_eq!(replayed.weight_uses, 64);
+    assert_eq!((replayed.kept, replayed.resident_hits), (33, 31));
+    // The kept copies are what each use would decode.
+    assert_eq!(records, streamed);
+}
+
 #[test]
 fn a_probe_measures_what_a_step_needs_beyond_the_weights_and_the_budget_then_holds_it() {
     use Route::{Resident as R, Ring as S};

@@ -40,6 +40,10 @@ pub struct OffloadConfig {
     /// ([`MemoryMeasurement`](crate::MemoryMeasurement)); the engine plans the weights within
     /// the rest. 0 reserves nothing: the budget then bounds the weights alone.
     pub activation_headroom: u64,
+    /// Bytes of `vram_budget` beside the headroom that the planner leaves free of resident and
+    /// kept weights, for what later steps may need beyond the measured headroom. It never makes
+    /// the budget too small for the headroom: it only keeps fewer weights on the device.
+    pub margin: u64,
     /// Device buffers in the ring (at least 2: one is read while the next is filled). Where
     /// the budget cannot hold them beside the activation headroom with every weight streamed,
     /// the engine keeps fewer, down to 2.
@@ -72,6 +76,7 @@ impl Default for OffloadConfig {
         Self {
             vram_budget: 0,
             activation_headroom: 0,
+            margin: 0,
             ring_slots: 3,
             direct_threshold: 1 << 20,
             wire: WireFormat::Native,
@@ -93,6 +98,12 @@ impl OffloadConfig {
     /// Sets [`OffloadConfig::activation_headroom`].
     pub fn with_activation_headroom(mut self, bytes: u64) -> Self {
         self.activation_headroom = bytes;
+        self
+    }
+
+    /// Sets [`OffloadConfig::margin`].
+    pub fn with_margin(mut self, bytes: u64) -> Self {
+        self.margin = bytes;
         self
     }
 

@@ -417,6 +417,7 @@ impl<B: StreamTarget> State<B> {
         self.planned = MemoryPlan {
             vram_budget: limits.vram_budget,
             activation_headroom: limits.activation_headroom,
+            margin: limits.margin,
             resident_weights,
             resident_bytes: plan.resident_bytes,
             streamed_weights: live.len() - resident_weights,
@@ -481,6 +482,7 @@ fn plan_limits(config: &OffloadConfig) -> PlanLimits {
     PlanLimits {
         vram_budget: config.vram_budget,
         activation_headroom: config.activation_headroom,
+        margin: config.margin,
         ring_slots: config.ring_slots,
         direct_threshold: config.direct_threshold,
         link_bytes_per_second: config.link_bytes_per_second,

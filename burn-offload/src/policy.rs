@@ -292,6 +292,10 @@ pub struct PlanLimits {
     /// Bytes of the budget reserved for what is not weights (activations, adapters,
     /// gradients, optimizer state, workspace).
     pub activation_headroom: u64,
+    /// Bytes of the budget beside the headroom that resident and kept weights leave free, for
+    /// what later steps need beyond the measured headroom. Unlike the headroom, it never makes
+    /// a budget too small ([`shortfall`]): it only holds fewer weights on the device.
+    pub margin: u64,
     /// Slots in the ring.
     pub ring_slots: usize,
     /// Streamed weights with a smaller wire payload take the direct path.
@@ -349,7 +353,7 @@ fn exposed_seconds(w: &WeightProfile, limits: &PlanLimits) -> f64 {
 /// their index. Following that order, a weight becomes resident in its compact form
 /// ([`WeightProfile::compact_bytes`]: decoding an FP8 weight at each use costs far less than
 /// streaming it) if the resident weights, itself and the ring still needed for the weights
-/// left streaming fit in `vram_budget - activation_headroom`; at each rank, all remaining
+/// left streaming fit in `vram_budget - activation_headroom - margin`; at each rank, all remaining
 /// weights become resident at once if they fit without a ring. What the budget leaves then
 /// goes to decoding compact weights once, in the same order. Weights not used in a step are
 /// never made resident. The others stream: through the ring, or by the direct path below
@@ -357,7 +361,8 @@ fn exposed_seconds(w: &WeightProfile, limits: &PlanLimits) -> f64 {
 pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
     let available = limits
         .vram_budget
-        .saturating_sub(limits.activation_headroom);
+        .saturating_sub(limits.activation_headroom)
+        .saturating_sub(limits.margin);
     let streamed_route = |w: &WeightProfile| {
         if w.wire_bytes < limits.direct_threshold {
             Route::Direct
@@ -548,6 +553,7 @@ pub fn plan_step(
         0 => u64::MAX,
         budget => budget
             .saturating_sub(limits.activation_headroom)
+            .saturating_sub(limits.margin)
             .saturating_sub(streamed.ring_bytes),
     };
     let retained = |routes: &[Route], limit: u64| -> Vec<Retention> {
@@ -905,6 +911,7 @@ mod tests {
         PlanLimits {
             vram_budget: budget,
             activation_headroom: 0,
+            margin: 0,
             ring_slots: 2,
             direct_threshold: 10,
             // 100 bytes take 1 s; 100 FLOP take 1 s.
@@ -1286,6 +1293,39 @@ mod tests {
         assert_eq!(decodings(16), (32, 16, 200, 96 - 16));
         // Two blocks: keeping saves 2, residency 6.
         assert_eq!(decodings(2), (2, 0, 0, 6));
+    }
+
+    #[test]
+    fn the_margin_holds_fewer_weights_and_never_refuses_a_budget() {
+        let four = vec![weight(100, 3, 0.0); 4];
+        let with = |headroom, margin| PlanLimits {
+            activation_headroom: headroom,
+            margin,
+            ..limits(500)
+        };
+        // 400 bytes beside the headroom hold all four; 300 hold one beside a ring of two slots.
+        assert_eq!(plan(&four, &with(100, 0)).resident_bytes, 400);
+        assert_eq!(plan(&four, &with(100, 100)).resident_bytes, 100);
+        // The headroom and the ring of everything streamed fill the budget: no weight stays
+        // resident and nothing is kept, and the margin does not make the budget short.
+        let order = checkpointed(2);
+        let (p, r) = plan_one(&four, &order, &with(300, 100));
+        assert_eq!((p.resident_bytes, p.ring_bytes, r.peak_bytes), (0, 200, 0));
+        assert_eq!(shortfall(&four, &with(300, 100)), None);
+        // Eight weights in four blocks at 400 bytes: one block kept beside the ring, or one
+        // weight beside a margin of 100.
+        let eight = vec![weight(100, 3, 0.0); 8];
+        let order = checkpointed(4);
+        let kept = |margin| {
+            let limits = PlanLimits {
+                margin,
+                ..limits(400)
+            };
+            let (p, r) = plan_one(&eight, &order, &limits);
+            (p.resident_bytes, r.peak_bytes)
+        };
+        assert_eq!(kept(0), (0, 200));
+        assert_eq!(kept(100), (0, 100));
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub struct MemoryPlan {
     pub vram_budget: u64,
     /// The part reserved for what is not weights (`OffloadConfig::activation_headroom`).
     pub activation_headroom: u64,
+    /// The part left free of weights beside the headroom (`OffloadConfig::margin`).
+    pub margin: u64,
     /// Weights kept on the device.
     pub resident_weights: usize,
     /// Their bytes on the device.

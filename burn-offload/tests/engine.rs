@@ -615,6 +615,7 @@ fn a_probe_measures_what_a_step_needs_beyond_the_weights_and_the_budget_then_hol
         MemoryPlan {
             vram_budget: budget,
             activation_headroom: beyond,
+            margin: 0,
             resident_weights: 1,
             resident_bytes: w,
             streamed_weights: 3,

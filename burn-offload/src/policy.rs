@@ -577,12 +577,7 @@ pub fn plan_step(
         orders
             .iter()
             .zip(retentions)
-            .map(|(order, r)| {
-                (
-                    bytes_moved(weights, order, plan, r),
-                    bytes_decoded(weights, order, plan, r),
-                )
-            })
+            .map(|(order, r)| step_cost(weights, order, plan, r))
             .fold((0, 0), |(m, d), (a, b)| (m + a, d + b))
     };
     let none = vec![Retention::default(); orders.len()];
@@ -592,45 +587,39 @@ pub fn plan_step(
     (plan, retentions)
 }
 
-/// Bytes a step moves over the bus with `plan` and `retention`: every use of a streamed weight
-/// but those that find it kept.
-fn bytes_moved(
+/// What a step of `order` costs with `plan` and `retention`: the bytes it moves over the bus
+/// (every use of a streamed weight) and the decoded bytes it writes (every use of a weight that
+/// reaches the device compact: resident so, or streamed in FP8), but for the uses that find
+/// their weight kept since its previous use.
+fn step_cost(
     weights: &[WeightProfile],
     order: &[Option<usize>],
     plan: &Plan,
     retention: &Retention,
-) -> u64 {
-    order
+) -> (u64, u64) {
+    let uses = order
         .iter()
         .enumerate()
-        .filter_map(|(i, w)| Some((i, (*w)?)))
-        .filter(|&(i, w)| !plan.routes[w].is_resident() && !retention.is_kept(i))
-        .map(|(_, w)| weights[w].wire_bytes)
-        .sum()
-}
-
-/// Decoded bytes a step writes with `plan` and `retention`: every use of a weight that reaches
-/// the device compact (resident so, or streamed in FP8) but those that find it kept.
-fn bytes_decoded(
-    weights: &[WeightProfile],
-    order: &[Option<usize>],
-    plan: &Plan,
-    retention: &Retention,
-) -> u64 {
-    order
-        .iter()
-        .enumerate()
-        .filter_map(|(i, w)| Some((i, (*w)?)))
-        .filter(|&(i, w)| {
-            let compact = match plan.routes[w] {
-                Route::Compact => true,
-                Route::Ring | Route::Direct => weights[w].compact_bytes < weights[w].device_bytes,
-                Route::Resident => false,
-            };
-            compact && !retention.is_kept(i)
-        })
-        .map(|(_, w)| weights[w].device_bytes)
-        .sum()
+        .filter(|&(i, _)| !retention.is_kept(i))
+        .filter_map(|(_, w)| *w);
+    uses.fold((0, 0), |(moved, decoded), w| {
+        let weight = &weights[w];
+        let route = plan.routes[w];
+        let compact = match route {
+            Route::Compact => true,
+            Route::Ring | Route::Direct => weight.compact_bytes < weight.device_bytes,
+            Route::Resident => false,
+        };
+        (
+            moved
+                + if route.is_resident() {
+                    0
+                } else {
+                    weight.wire_bytes
+                },
+            decoded + if compact { weight.device_bytes } else { 0 },
+        )
+    })
 }
 
 /// The plan that streams every weight (budget 0): the least device memory any plan takes for
@@ -1238,13 +1227,13 @@ mod tests {
                 let used = p.resident_bytes + p.ring_bytes + r.peak_bytes + headroom;
                 assert!(used <= budget, "budget {budget}, headroom {headroom}");
                 // Never more than the plan without retention.
-                let without = bytes_moved(
+                let (without, _) = step_cost(
                     &eight,
                     &order,
                     &plan(&eight, &limits),
                     &Retention::default(),
                 );
-                assert!(bytes_moved(&eight, &order, &p, &r) <= without);
+                assert!(step_cost(&eight, &order, &p, &r).0 <= without);
                 for (i, w) in order.iter().enumerate() {
                     if r.keeps(i) || r.is_kept(i) {
                         assert!(matches!(p.routes[w.unwrap()], Route::Ring | Route::Compact));
@@ -1257,10 +1246,10 @@ mod tests {
         // resident weights would leave 18.
         let (p, r) = plan_one(&eight, &order, &limits(400));
         assert_eq!((p.resident_bytes, r.peak_bytes), (0, 200));
-        assert_eq!(bytes_moved(&eight, &order, &p, &r), 1400);
+        assert_eq!(step_cost(&eight, &order, &p, &r).0, 1400);
         let without = plan(&eight, &limits(400));
         assert_eq!(
-            bytes_moved(&eight, &order, &without, &Retention::default()),
+            step_cost(&eight, &order, &without, &Retention::default()).0,
             1800
         );
         // 800 bytes hold every weight without a ring: nothing to keep.
@@ -1286,7 +1275,7 @@ mod tests {
             let budget = 100 * 2 * blocks as u64 + 200;
             let (p, r) = plan_step(&weights, std::slice::from_ref(&order), 1, &limits(budget));
             let compact = p.routes.iter().filter(|r| **r == Route::Compact).count();
-            let decoded = bytes_decoded(&weights, &order, &p, &r[0]);
+            let (_, decoded) = step_cost(&weights, &order, &p, &r[0]);
             (compact, r[0].kept_uses(), r[0].peak_bytes, decoded / 200)
         };
         // Sixteen blocks: keeping saves 16 decodings a step, residency 6.

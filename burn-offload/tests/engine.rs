@@ -250,18 +250,19 @@ struct Modulated<B: Backend> {
     modulation: Linear<B>,
 }
 
+/// A DIM x DIM layer without bias, its weights drawn from `seed`.
+fn square<B: Backend>(seed: u64, device: &B::Device) -> Linear<B> {
+    Linear {
+        weight: burn::module::Param::from_data(data(seed, [DIM, DIM], 0.25, DType::F32), device),
+        bias: None,
+    }
+}
+
 impl<B: Backend> Modulated<B> {
     fn new(device: &B::Device) -> Self {
-        let linear = |seed| Linear {
-            weight: burn::module::Param::from_data(
-                data(seed, [DIM, DIM], 0.25, DType::F32),
-                device,
-            ),
-            bias: None,
-        };
         Self {
-            layers: (0..3).map(linear).collect(),
-            modulation: linear(9),
+            layers: (0..3).map(|seed| square(seed, device)).collect(),
+            modulation: square(9, device),
         }
         .no_grad()
     }
@@ -489,15 +490,10 @@ impl<B: Backend> Twice<B> {
     const LAYERS: usize = 16;
 
     fn new(device: &B::Device) -> Self {
-        let linear = |seed| Linear {
-            weight: burn::module::Param::from_data(
-                data(seed, [DIM, DIM], 0.25, DType::F32),
-                device,
-            ),
-            bias: None,
-        };
         Self {
-            layers: (0..Self::LAYERS as u64).map(linear).collect(),
+            layers: (0..Self::LAYERS as u64)
+                .map(|seed| square(seed, device))
+                .collect(),
         }
         .no_grad()
     }

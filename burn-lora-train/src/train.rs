@@ -643,18 +643,18 @@ where
     Ok((flux, applied))
 }
 
-/// The budget of a run whose weights are planned within what its steps measure
-/// ([`models::measured_budget`]). The first step streams every frozen weight (as
-/// `models::weight_stream` set the stream up); after it, the weights are planned within the
-/// budget beside what it needed and a [`MARGIN`] share of the budget. A later step that needs
-/// more (a larger bucket) raises the headroom to its need and the weights are planned again;
-/// the headroom never shrinks.
 /// The share of a measured budget that resident and kept weights leave free: the steps after
 /// the first need more beside the weights than it measured, as CUDA's pools grow over a few
 /// steps (1.2–1.7 GB more for FLUX.1 by the third step on an H100, up to 2.7 % of a 12 GB
 /// budget at nvidia-smi before they were planned again).
 const MARGIN: f64 = 0.05;
 
+/// The budget of a run whose weights are planned within what its steps measure
+/// ([`models::measured_budget`]). The first step streams every frozen weight (as
+/// `models::weight_stream` set the stream up); after it, the weights are planned within the
+/// budget beside what it needed and a [`MARGIN`] share of the budget. A later step that needs
+/// more (a larger bucket) raises the headroom to its need and the weights are planned again;
+/// the headroom never shrinks.
 struct MeasuredBudget<'a, B: StreamTarget> {
     stream: &'a WeightStream<TrainBackend<B>>,
     budget: u64,

@@ -201,6 +201,18 @@ impl<B: StreamTarget> State<B> {
         Some(tensor)
     }
 
+    /// For replay use `index`, the copy kept since the weight's previous use where the
+    /// retention says it finds one, counted as a kept use.
+    fn kept_use(&mut self, id: u64, index: usize, device: &B::Device) -> Option<FloatTensor<B>> {
+        if !self.retention().is_kept(index) {
+            return None;
+        }
+        let tensor = self.take_kept(id, index)?;
+        self.counters.kept += 1;
+        self.sample_use_memory(device, 0);
+        Some(tensor)
+    }
+
     /// The retention of the recording the step replays.
     fn retention(&self) -> &Retention {
         self.schedule
@@ -864,11 +876,9 @@ impl<B: StreamTarget> Engine<B> {
                     Use::Replay(index) if route == Route::Compact => Some(index),
                     _ => None,
                 };
-                if let Some(index) = replayed.filter(|&i| st.retention().is_kept(i))
-                    && let Some(tensor) = st.take_kept(weight.id, index)
+                if let Some(index) = replayed
+                    && let Some(tensor) = st.kept_use(weight.id, index, &self.device)
                 {
-                    st.counters.kept += 1;
-                    st.sample_use_memory(&self.device, 0);
                     drop(st);
                     return op(tensor);
                 }
@@ -904,12 +914,10 @@ impl<B: StreamTarget> Engine<B> {
                     Use::Replay(index) => Some(index),
                     _ => None,
                 };
-                if let Some(index) = replayed.filter(|&i| st.retention().is_kept(i))
-                    && let Some(tensor) = st.take_kept(weight.id, index)
+                if let Some(index) = replayed
+                    && let Some(tensor) = st.kept_use(weight.id, index, &self.device)
                 {
                     st.consumed = index + 1;
-                    st.counters.kept += 1;
-                    st.sample_use_memory(&self.device, 0);
                     drop(st);
                     self.shared.changed.notify_all();
                     return op(tensor);

@@ -284,6 +284,14 @@ pub struct WeightProfile {
     pub flops: f64,
 }
 
+impl WeightProfile {
+    /// Whether the weight reaches the device in a compact form that each use decodes (FP8
+    /// codes and scales), resident or streamed.
+    pub fn decodes_at_use(&self) -> bool {
+        self.compact_bytes < self.device_bytes
+    }
+}
+
 /// What bounds the plan.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PlanLimits {
@@ -371,7 +379,7 @@ pub fn plan(weights: &[WeightProfile], limits: &PlanLimits) -> Plan {
         }
     };
     let resident_route = |w: &WeightProfile| {
-        if w.compact_bytes < w.device_bytes {
+        if w.decodes_at_use() {
             Route::Compact
         } else {
             Route::Resident
@@ -604,21 +612,13 @@ fn step_cost(
         .filter_map(|(_, w)| *w);
     uses.fold((0, 0), |(moved, decoded), w| {
         let weight = &weights[w];
-        let route = plan.routes[w];
-        let compact = match route {
-            Route::Compact => true,
-            Route::Ring | Route::Direct => weight.compact_bytes < weight.device_bytes,
-            Route::Resident => false,
+        let (sent, decodes) = match plan.routes[w] {
+            Route::Resident => (0, false),
+            Route::Compact => (0, true),
+            Route::Ring | Route::Direct => (weight.wire_bytes, weight.decodes_at_use()),
         };
-        (
-            moved
-                + if route.is_resident() {
-                    0
-                } else {
-                    weight.wire_bytes
-                },
-            decoded + if compact { weight.device_bytes } else { 0 },
-        )
+        let written = if decodes { weight.device_bytes } else { 0 };
+        (moved + sent, decoded + written)
     })
 }
 

@@ -423,6 +423,35 @@ fn copy_in_order(
         .map_err(device_error("recording a copy's event"))
 }
 
+/// The device's default memory pool, which CubeCL's stream-ordered allocations come from.
+fn memory_pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool, DriverError> {
+    ctx.bind_to_thread()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: `pool` is written by the call; the device is the context's.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+    Ok(pool)
+}
+
+/// Keeps the memory of freed allocations in the device's pool until
+/// [`StreamTarget::trim_freed`]: the engine hands CubeCL's free pages back often
+/// ([`OffloadConfig::release_pages_every`](crate::OffloadConfig::release_pages_every)), and
+/// without this the pool would return them to the system at every synchronization and map
+/// them again at the next allocation.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), OffloadError> {
+    let pool = memory_pool(ctx).map_err(device_error("finding the device's memory pool"))?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the attribute takes a `u64`, which `threshold` is, read during the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(device_error("keeping freed memory in the device's pool"))
+}
+
 /// Bytes each core copies at a time into a staging buffer.
 const COPY_PIECE: usize = 4 << 20;
 
@@ -558,6 +587,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         slot_bytes: usize,
     ) -> Result<CudaRing, OffloadError> {
         let (ctx, stream) = copy_stream(device)?;
+        keep_freed_memory(&ctx)?;
         let client = CudaRuntime::client(device);
         let slots = (0..slots)
             .map(|_| device_buffer(&client, slot_bytes))
@@ -839,5 +869,22 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_in_use)
+    }
+
+    fn trim_freed(device: &CudaDevice) {
+        if let Ok(side) = SideContext::of(device) {
+            // A failure leaves the memory in the pool, where it is still reused.
+            let _ = memory_pool(side.context()).and_then(|pool| {
+                // SAFETY: `pool` is the device's default pool; trimming frees only unused memory.
+                unsafe { sys::cuMemPoolTrimTo(pool, 0) }.result()
+            });
+        }
+    }
+
+    fn memory_pooled(device: &CudaDevice) -> Option<u64> {
+        CudaRuntime::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_reserved)
     }
 }

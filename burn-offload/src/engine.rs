@@ -9,10 +9,10 @@
 //! weight resident in compact form keeps its decoded copy so, and is decoded once less). A
 //! fence after the ops that read released slots is taken by the compute thread (fences follow
 //! the work of the thread that takes them) once half the ring is released, or at once when the
-//! loader has found no slot to fill: one fence frees every slot released before it. A loader
-//! that keeps up waits for slots and gets a fence at each release, as soon as the op that read
-//! the slot was submitted; one that falls behind (many small weights) lets releases gather,
-//! and the compute saves a round trip to the device for each. A `Fenced` slot is refilled
+//! loader has found no slot to fill while fewer than half the slots hold weights the compute
+//! has yet to read: one fence frees every slot released before it. A loader that keeps up thus
+//! gets half the ring at a time, and the compute takes one round trip to the device for every
+//! half ring of uses instead of one for each. A `Fenced` slot is refilled
 //! (and, in the debug mode, poisoned first) only after its fence has passed, so no op ever
 //! reads a slot that was reused. When the order of uses changes, the prefetched slots are
 //! dropped (a generation counter invalidates fills in flight) and the compute thread fetches
@@ -159,8 +159,9 @@ struct State<B: StreamTarget> {
     /// Bumped to invalidate prefetched slots and fills in flight.
     generation: u64,
     releases: u64,
-    /// Set when a claim found no slot to fill: the compute thread fences its next release at
-    /// once (or, where slots are released already, at its next call).
+    /// Set when a claim found no slot to fill while fewer than half the slots hold weights
+    /// still to be read: the compute thread fences its next release at once (or, where slots
+    /// are released already, at its next call).
     fence_wanted: bool,
     counters: Counters,
     step_started: Option<Instant>,
@@ -259,7 +260,16 @@ impl<B: StreamTarget> State<B> {
                     .map(|(i, _)| i)
             });
         let Some(index) = index else {
-            self.fence_wanted = true;
+            // With half the ring still to be read, the compute's releases reach a fence's
+            // batch before the loader runs dry.
+            let ahead = ring
+                .slots
+                .iter()
+                .filter(|s| matches!(s, Slot::Ready { .. } | Slot::Filling { use_index: Some(_) }))
+                .count();
+            if ahead < fence_batch(ring.slots.len()) {
+                self.fence_wanted = true;
+            }
             return None;
         };
         let ring = self.ring.as_mut()?;
@@ -502,14 +512,20 @@ fn plan_limits(config: &OffloadConfig) -> PlanLimits {
     }
 }
 
-/// Hands the allocator's free pages back to the device, and waits for the device: CUDA's
-/// stream-ordered frees return their memory to the system only at a synchronization, and until
-/// then the driver's count of used memory, which the engine reads as the need beside the
-/// weights, still holds them.
+/// Hands the allocator's free pages back to the device, waits for the device, and returns the
+/// freed memory to the system: until then the driver's count of used memory, which the engine
+/// reads as the need beside the weights, still holds it (CUDA's pool keeps freed memory for
+/// reuse, [`StreamTarget::trim_freed`]).
 fn release_free_pages<B: StreamTarget>(device: &B::Device) {
     B::memory_cleanup(device);
     B::sync(device)
         .unwrap_or_else(|e| panic!("waiting for the device after freeing memory: {e:?}"));
+    B::trim_freed(device);
+}
+
+/// Released slots that take a fence together: half the ring.
+fn fence_batch(slots: usize) -> usize {
+    (slots / 2).max(1)
 }
 
 /// Releases a slot when dropped, also when the op that read it panicked.
@@ -755,6 +771,7 @@ impl<B: StreamTarget> Engine<B> {
             peak_device_bytes: c.peak_device_bytes,
             peak_beyond_weights: c.peak_beyond_weights,
             peak_handed_out_beyond_weights: c.peak_handed_out_beyond_weights,
+            pooled_bytes: B::memory_pooled(&self.device),
         };
         drop(st);
         tracing::info!(
@@ -779,6 +796,7 @@ impl<B: StreamTarget> Engine<B> {
             handed_out_beyond_mb = stats
                 .peak_handed_out_beyond_weights
                 .map(|b| b / 1_000_000),
+            pooled_mb = stats.pooled_bytes.map(|b| b / 1_000_000),
             "offload step"
         );
         if let Some(dropped) = replanned {
@@ -848,6 +866,10 @@ impl<B: StreamTarget> Engine<B> {
         let depth = depth(st.config.ring_slots);
         st.depth = depth;
         st.counters.weight_uses += 1;
+        let every = st.config.release_pages_every;
+        if every > 0 && st.counters.weight_uses.is_multiple_of(every) {
+            B::memory_cleanup(&self.device);
+        }
         let decision = match st.schedule.on_use(weight.id, flops) {
             Use::Fallback => {
                 // The order left the recording: drop what was prefetched and kept (a no-op
@@ -1053,7 +1075,7 @@ impl<B: StreamTarget> Engine<B> {
         st.releases += 1;
         let ring = st.ring.as_mut().expect("ring of a leased slot");
         ring.slots[slot] = Slot::Released { order };
-        let batch = (ring.slots.len() / 2).max(1);
+        let batch = fence_batch(ring.slots.len());
         if st.fence_wanted || st.released() >= batch {
             st = self.fence_released(st);
         }

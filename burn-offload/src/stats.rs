@@ -64,6 +64,9 @@ pub struct StepStats {
     /// sampled with [`StepStats::peak_beyond_weights`] where the backend reports both (not with
     /// a probe): the live tensors, without the pages the allocator keeps in reserve.
     pub peak_handed_out_beyond_weights: Option<u64>,
+    /// The bytes in the allocator's pages for the compute thread at the step's end
+    /// ([`StreamTarget::memory_pooled`](crate::StreamTarget::memory_pooled)), weights included.
+    pub pooled_bytes: Option<u64>,
 }
 
 /// How the VRAM budget is divided by the plan in force.

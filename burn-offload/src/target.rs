@@ -160,6 +160,18 @@ pub trait StreamTarget: FusedOps {
     fn memory_handed_out(device: &Self::Device) -> Option<u64> {
         Self::memory_in_use(device)
     }
+
+    /// Device bytes the backend's allocator holds in pages for the calling thread's work, handed
+    /// out or kept free for reuse, where it reports them: beside
+    /// [`memory_in_use`](Self::memory_in_use), what the rest (the runtime, libraries' workspaces,
+    /// other threads' pools) takes.
+    fn memory_pooled(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
+    /// Returns to the system the device memory that freed allocations left in the backend's
+    /// pool, where it is kept for reuse; called once the work that freed it has completed.
+    fn trim_freed(_device: &Self::Device) {}
 }
 
 /// A reading of the device memory in use, in place of the backend's own

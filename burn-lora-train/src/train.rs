@@ -646,8 +646,10 @@ where
 /// The share of a measured budget that resident and kept weights leave free: the steps after
 /// the first need more beside the weights than it measured, as CUDA's pools grow over a few
 /// steps (1.2–1.7 GB more for FLUX.1 by the third step on an H100, up to 2.7 % of a 12 GB
-/// budget at nvidia-smi before they were planned again).
-const MARGIN: f64 = 0.05;
+/// budget at nvidia-smi before they were planned again; with the pools' free pages handed
+/// back, step 1 measures less and the first replayed step rose 1.28 GB above its plan, 5 MiB
+/// over the budget with a 5 % share).
+const MARGIN: f64 = 0.07;
 
 /// The budget of a run whose weights are planned within what its steps measure
 /// ([`models::measured_budget`]). The first step streams every frozen weight (as

@@ -75,8 +75,8 @@ pub struct OffloadConfig {
 impl Default for OffloadConfig {
     /// Budget 0 (everything streams), 3 slots, a 1 MiB direct threshold, native wire format,
     /// a retain window of 32 uses (a block of up to 16 streamed weights between its recompute
-    /// and its backward), free pages handed back every 8 weight uses, and the rates measured on an H200: 55 GB/s pinned upload,
-    /// 200 TFLOP/s for Burn's bf16 matmul.
+    /// and its backward), free pages handed back every 8 weight uses, and the rates measured
+    /// on an H200: 55 GB/s pinned upload, 200 TFLOP/s for Burn's bf16 matmul.
     fn default() -> Self {
         Self {
             vram_budget: 0,

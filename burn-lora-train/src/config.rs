@@ -225,6 +225,10 @@ pub struct OffloadYaml {
     /// Device buffers in the prefetch ring (at least 2).
     #[serde(default = "defaults::ring_slots")]
     pub ring_slots: usize,
+    /// Whether the loader decodes each prefetched FP8 weight ahead of its use, off the
+    /// compute stream.
+    #[serde(default)]
+    pub decode_ahead: bool,
 }
 
 /// `train`.
@@ -760,6 +764,9 @@ pub struct ModelPlan {
     pub vram_budget_bytes: Option<u64>,
     /// Device buffers in the prefetch ring (≥ 2).
     pub ring_slots: usize,
+    /// Whether the loader decodes prefetched FP8 weights ahead of their use
+    /// (`model.offload.decode_ahead`).
+    pub decode_ahead: bool,
     /// The low-noise expert of a two-expert model (`model.transformer_2`): its transformer as a
     /// model source of the kind of `source` (for files, `source`'s files with another
     /// `transformer`; `tiny` and `random:` build one with weights of its own).
@@ -1530,6 +1537,7 @@ fn check_model(
         vae_dtype: vae_dtype?,
         vram_budget_bytes: budget?,
         ring_slots: slots?,
+        decode_ahead: m.offload.decode_ahead,
         transformer_2: transformer_2?,
     })
 }

@@ -31,6 +31,7 @@ pub(crate) fn offload_config(plan: &TrainPlan) -> Option<OffloadConfig> {
         OffloadConfig::default()
             .with_vram_budget(model.vram_budget_bytes.unwrap_or(u64::MAX))
             .with_ring_slots(model.ring_slots)
+            .with_decode_ahead(model.decode_ahead)
             .with_wire(wire),
     )
 }

@@ -67,6 +67,11 @@ pub struct OffloadConfig {
     /// class, so what one part of a step freed waits unused while another part allocates other
     /// sizes; handed back, the memory serves any size.
     pub release_pages_every: u64,
+    /// The loader thread decodes each prefetched weight sent in another format than its dtype
+    /// (FP8, bfloat16 for f32) ahead of its use, on its own stream, so that the compute stream
+    /// and thread run no decode; each ring slot then also holds its decoded weight until the
+    /// slot is filled again. Off: the compute decodes at each use.
+    pub decode_ahead: bool,
     /// Debug mode: overwrite a slot with NaN as soon as it may be reused, so that a read of a
     /// released weight shows up as NaN instead of silently reading another weight.
     pub poison_released_slots: bool,
@@ -75,8 +80,9 @@ pub struct OffloadConfig {
 impl Default for OffloadConfig {
     /// Budget 0 (everything streams), 3 slots, a 1 MiB direct threshold, native wire format,
     /// a retain window of 32 uses (a block of up to 16 streamed weights between its recompute
-    /// and its backward), free pages handed back every 8 weight uses, and the rates measured
-    /// on an H200: 55 GB/s pinned upload, 200 TFLOP/s for Burn's bf16 matmul.
+    /// and its backward), free pages handed back every 8 weight uses, decoding at each use, and
+    /// the rates measured on an H200: 55 GB/s pinned upload, 200 TFLOP/s for Burn's bf16
+    /// matmul.
     fn default() -> Self {
         Self {
             vram_budget: 0,
@@ -89,6 +95,7 @@ impl Default for OffloadConfig {
             compute_flops_per_second: 200e12,
             retain_window: 32,
             release_pages_every: 8,
+            decode_ahead: false,
             poison_released_slots: false,
         }
     }
@@ -148,6 +155,12 @@ impl OffloadConfig {
     /// Sets [`OffloadConfig::release_pages_every`].
     pub fn with_release_pages_every(mut self, uses: u64) -> Self {
         self.release_pages_every = uses;
+        self
+    }
+
+    /// Sets [`OffloadConfig::decode_ahead`].
+    pub fn with_decode_ahead(mut self, decode_ahead: bool) -> Self {
+        self.decode_ahead = decode_ahead;
         self
     }
 

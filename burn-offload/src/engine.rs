@@ -1,22 +1,24 @@
 //! The mechanism: one engine per device owns the ring, the loader thread, the resident copies
 //! and the step statistics, and executes what the policy decides.
 //!
-//! A slot goes `Free -> Filling -> Ready -> InUse -> Released -> Fenced -> Free`. The loader
-//! thread fills slots for the uses the replayed schedule announces, up to the prefetch depth
-//! ahead of the compute; the compute thread takes a `Ready` slot, runs its op on a view of it
-//! and releases it, or, when the policy's [`Retention`] says the weight is used again soon,
-//! first copies it into a tensor of its own that the next use takes without a transfer (a
-//! weight resident in compact form keeps its decoded copy so, and is decoded once less). A
-//! fence after the ops that read released slots is taken by the compute thread (fences follow
-//! the work of the thread that takes them) once half the ring is released, or at once when the
-//! loader has found no slot to fill while fewer than half the slots hold weights the compute
-//! has yet to read: one fence frees every slot released before it. A loader that keeps up thus
-//! gets half the ring at a time, and the compute takes one round trip to the device for every
-//! half ring of uses instead of one for each. A `Fenced` slot is refilled
-//! (and, in the debug mode, poisoned first) only after its fence has passed, so no op ever
-//! reads a slot that was reused. When the order of uses changes, the prefetched slots are
-//! dropped (a generation counter invalidates fills in flight) and the compute thread fetches
-//! on demand for the rest of the step.
+//! A slot goes `Free -> Filling -> Ready -> InUse -> Released -> Fenced -> Free`. The loader thread
+//! fills slots for the uses the replayed schedule announces, up to the prefetch depth ahead of the
+//! compute, and with [`OffloadConfig::decode_ahead`] prepares each weight where the backend does
+//! (CUDA decodes an FP8 payload on the loader's stream, off the compute's); the compute thread
+//! takes a `Ready` slot, runs its op on the prepared weight or a view of the slot and releases it
+//! (a prepared weight lives until the slot's next fill, after the fence that follows the op), or,
+//! when the policy's [`Retention`] says the weight is used again soon, first copies it into a
+//! tensor of its own that the next use takes without a transfer (a weight resident in compact form
+//! keeps its decoded copy so, and is decoded once less). A fence after the ops that read released
+//! slots is taken by the compute thread (fences follow the work of the thread that takes them) once
+//! half the ring is released, or at once when the loader has found no slot to fill while fewer than
+//! half the slots hold weights the compute has yet to read: one fence frees every slot released
+//! before it. A loader that keeps up thus gets half the ring at a time, and the compute takes one
+//! round trip to the device for every half ring of uses instead of one for each. A `Fenced` slot is
+//! refilled (and, in the debug mode, poisoned first) only after its fence has passed, so no op ever
+//! reads a slot that was reused. When the order of uses changes, the prefetched slots are dropped
+//! (a generation counter invalidates fills in flight) and the compute thread fetches on demand for
+//! the rest of the step.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -85,6 +87,31 @@ struct Ring<B: StreamTarget> {
     memory: Arc<B::Ring>,
     slots: Vec<Slot<B::Fence>>,
     slot_bytes: usize,
+    /// Per slot, the weight as the loader prepared it ([`StreamTarget::prepare`]): read by the
+    /// op of the slot's use, and replaced only when the slot is filled again, after the fence
+    /// that follows that op.
+    prepared: Vec<Option<Prepared<B>>>,
+    /// Device bytes a slot's prepared weight may take beside the slot.
+    prepared_bytes: usize,
+}
+
+/// A weight the loader prepared, and its device bytes.
+struct Prepared<B: StreamTarget> {
+    tensor: FloatTensor<B>,
+    bytes: usize,
+}
+
+impl<B: StreamTarget> Ring<B> {
+    /// Device bytes the ring may take: its slots, and a prepared weight beside each.
+    fn capacity(&self) -> u64 {
+        (self.slots.len() * (self.slot_bytes + self.prepared_bytes)) as u64
+    }
+
+    /// Device bytes the ring holds now: its slots, and the prepared weights alive.
+    fn held(&self) -> u64 {
+        let prepared: usize = self.prepared.iter().flatten().map(|p| p.bytes).sum();
+        (self.slots.len() * self.slot_bytes + prepared) as u64
+    }
 }
 
 /// A slot claimed for filling: what must happen before the copy.
@@ -110,6 +137,7 @@ impl<B: StreamTarget> Claim<B> {
 struct Counters {
     weight_uses: u64,
     prefetched: u64,
+    prepared: u64,
     on_demand: u64,
     kept: u64,
     direct: u64,
@@ -328,7 +356,8 @@ impl<B: StreamTarget> State<B> {
     /// kept between uses, and `uploading` (a weight uploaded into a tensor of its own, not yet
     /// counted elsewhere).
     fn weight_bytes(&self, uploading: u64) -> u64 {
-        self.resident_bytes + self.ring_bytes() + self.kept_bytes + uploading
+        let ring = self.ring.as_ref().map_or(0, Ring::held);
+        self.resident_bytes + ring + self.kept_bytes + uploading
     }
 
     /// Device memory in use now (from the probe, else the backend) and how much of it is
@@ -387,12 +416,6 @@ impl<B: StreamTarget> State<B> {
         self.resident_bytes += bytes;
     }
 
-    fn ring_bytes(&self) -> u64 {
-        self.ring
-            .as_ref()
-            .map_or(0, |r| (r.slots.len() * r.slot_bytes) as u64)
-    }
-
     /// The live weights and what the planner knows of each: their uses over the recorded
     /// steps (one of each kind) or, before any step, sizes alone.
     fn profiles(&self) -> (Vec<Arc<HostWeight>>, Vec<WeightProfile>) {
@@ -412,7 +435,7 @@ impl<B: StreamTarget> State<B> {
                     device_bytes: w.device_bytes() as u64,
                     compact_bytes: B::compact_bytes(w) as u64,
                     wire_bytes: w.wire_bytes() as u64,
-                    slot_bytes: B::slot_bytes(w) as u64,
+                    slot_bytes: (B::slot_bytes(w) + self.prepared_bytes(w)) as u64,
                     uses,
                     flops,
                 }
@@ -475,15 +498,35 @@ impl<B: StreamTarget> State<B> {
         dropped
     }
 
-    /// Slot size the current routes need ([`ring_slot_bytes`]).
-    fn wanted_slot_bytes(&self) -> usize {
-        let sizes = self
+    /// Device bytes the loader's prepared form of `weight` takes beside its slot.
+    fn prepared_bytes(&self, weight: &HostWeight) -> usize {
+        if self.config.decode_ahead {
+            B::prepared_bytes(weight)
+        } else {
+            0
+        }
+    }
+
+    /// Slot size the current routes need ([`ring_slot_bytes`]), and the most a slot's
+    /// prepared weight takes beside it.
+    fn wanted_slot_bytes(&self) -> (usize, usize) {
+        let streamed: Vec<Arc<HostWeight>> = self
             .weights
             .values()
             .filter_map(Weak::upgrade)
             .filter(|w| self.routes.get(&w.id).copied().unwrap_or(Route::Ring) == Route::Ring)
-            .map(|w| B::slot_bytes(&w) as u64);
-        ring_slot_bytes(sizes, self.config.ring_slots) as usize
+            .collect();
+        let slot = ring_slot_bytes(
+            streamed.iter().map(|w| B::slot_bytes(w) as u64),
+            self.config.ring_slots,
+        ) as usize;
+        let prepared = streamed
+            .iter()
+            .filter(|w| B::slot_bytes(w) <= slot)
+            .map(|w| self.prepared_bytes(w))
+            .max()
+            .unwrap_or(0);
+        (slot, prepared)
     }
 }
 
@@ -749,6 +792,7 @@ impl<B: StreamTarget> Engine<B> {
             schedule,
             weight_uses: c.weight_uses,
             prefetched: c.prefetched,
+            prepared: c.prepared,
             on_demand: c.on_demand,
             kept: c.kept,
             direct: c.direct,
@@ -767,7 +811,7 @@ impl<B: StreamTarget> Engine<B> {
                 .take()
                 .map_or(0.0, |t| t.elapsed().as_secs_f64()),
             resident_bytes: st.resident_bytes,
-            ring_bytes: st.ring_bytes(),
+            ring_bytes: st.ring.as_ref().map_or(0, Ring::capacity),
             peak_device_bytes: c.peak_device_bytes,
             peak_beyond_weights: c.peak_beyond_weights,
             peak_handed_out_beyond_weights: c.peak_handed_out_beyond_weights,
@@ -779,6 +823,7 @@ impl<B: StreamTarget> Engine<B> {
             schedule = ?stats.schedule,
             uses = stats.weight_uses,
             prefetched = stats.prefetched,
+            prepared = stats.prepared,
             on_demand = stats.on_demand,
             kept = stats.kept,
             materialized = stats.materialized,
@@ -809,10 +854,14 @@ impl<B: StreamTarget> Engine<B> {
     /// slot is being filled or read: slots larger than the plan's would hold device memory the
     /// plan gave to resident weights.
     fn resize_ring<'a>(&'a self, mut st: MutexGuard<'a, State<B>>) -> MutexGuard<'a, State<B>> {
-        let wanted = (st.config.ring_slots, st.wanted_slot_bytes());
-        let current = st.ring.as_ref().map(|r| (r.slots.len(), r.slot_bytes));
+        let (slot_bytes, prepared_bytes) = st.wanted_slot_bytes();
+        let wanted = (st.config.ring_slots, slot_bytes, prepared_bytes);
+        let current = st
+            .ring
+            .as_ref()
+            .map(|r| (r.slots.len(), r.slot_bytes, r.prepared_bytes));
         let fits = match current {
-            Some((n, bytes)) => wanted.1 > 0 && n == wanted.0 && bytes == wanted.1,
+            Some(current) => wanted.1 > 0 && current == wanted,
             None => wanted.1 == 0,
         };
         if fits {
@@ -826,7 +875,9 @@ impl<B: StreamTarget> Engine<B> {
         }
         if st.ring.take().is_some() {
             // The old slots' pages go back to the device: slots of another size would not sit
-            // in them, and a step would count them beside the weights as its own need.
+            // in them, and a step would count them beside the weights as its own need. The
+            // device is waited for before the loader prepares anything again, as the old
+            // prepared weights may still be read.
             release_free_pages::<B>(&self.device);
         }
         if wanted.1 > 0 {
@@ -836,13 +887,16 @@ impl<B: StreamTarget> Engine<B> {
                 memory: Arc::new(memory),
                 slots: (0..wanted.0).map(|_| Slot::Free).collect(),
                 slot_bytes: wanted.1,
+                prepared: (0..wanted.0).map(|_| None).collect(),
+                prepared_bytes: wanted.2,
             });
             if !st.loader_started {
                 st.loader_started = true;
                 let shared = self.shared.clone();
+                let device = self.device.clone();
                 std::thread::Builder::new()
                     .name("offload-loader".into())
-                    .spawn(move || loader::<B>(shared))
+                    .spawn(move || loader::<B>(shared, device))
                     .expect("spawning the offload loader thread");
             }
         }
@@ -953,17 +1007,25 @@ impl<B: StreamTarget> Engine<B> {
                     return op(self.upload(weight, false));
                 };
                 let lease = SlotLease { engine: self, slot };
-                let view = {
+                let (view, prepared) = {
                     let mut st = self.lock();
                     let started = Instant::now();
                     let ring = st.ring.as_ref().expect("ring of a leased slot");
-                    let view = B::view(&ring.memory, slot, weight, &self.device);
+                    let prepared = ring.prepared[slot]
+                        .as_ref()
+                        .filter(|_| !keep)
+                        .map(|p| p.tensor.clone());
+                    let prepared_now = prepared.is_some();
+                    let view = prepared
+                        .unwrap_or_else(|| B::view(&ring.memory, slot, weight, &self.device));
                     st.counters.views += started.elapsed();
-                    view
+                    st.counters.prepared += u64::from(prepared_now);
+                    (view, prepared_now)
                 };
                 // A view decoded into a tensor of its own frees its slot now, so that the fence
-                // releasing it follows the decode rather than the op.
-                let lease = B::view_reads_slot(weight).then_some(lease);
+                // releasing it follows the decode rather than the op. A prepared weight is the
+                // slot's until that fence, which then follows the op.
+                let lease = (prepared || B::view_reads_slot(weight)).then_some(lease);
                 if !keep {
                     let out = op(view);
                     drop(lease);
@@ -1062,7 +1124,10 @@ impl<B: StreamTarget> Engine<B> {
         st.counters.wait += started.elapsed();
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
         st.counters.on_demand += 1;
-        st.ring.as_mut().expect("ring").slots[claim.slot] = Slot::InUse;
+        let ring = st.ring.as_mut().expect("ring");
+        ring.slots[claim.slot] = Slot::InUse;
+        // Its fence has passed: no op reads what the loader last prepared in it.
+        ring.prepared[claim.slot] = None;
         st.sample_use_memory(&self.device, 0);
         Some(claim.slot)
     }
@@ -1191,8 +1256,9 @@ impl<B: StreamTarget> Engine<B> {
     }
 }
 
-/// The loader thread: fills slots for the replayed schedule, ahead of the compute.
-fn loader<B: StreamTarget>(shared: Arc<Shared<B>>) {
+/// The loader thread: fills slots for the replayed schedule, ahead of the compute, and
+/// prepares their weights where the backend does ([`StreamTarget::prepare`]).
+fn loader<B: StreamTarget>(shared: Arc<Shared<B>>, device: B::Device) {
     let mut st = shared.state.lock().unwrap();
     loop {
         if st.shutdown {
@@ -1203,12 +1269,28 @@ fn loader<B: StreamTarget>(shared: Arc<Shared<B>>) {
             continue;
         };
         let poison = st.config.poison_released_slots;
+        // A weight kept for a later use is copied from its view by the compute thread.
+        let prepare = st.config.decode_ahead && !st.retention().keeps(use_index);
+        // What was last prepared in the slot goes once the slot's fence has passed, before the
+        // next weight is prepared.
+        let stale = st.ring.as_mut().and_then(|r| r.prepared[claim.slot].take());
         drop(st);
         claim.prepare(poison);
+        drop(stale);
         let started = Instant::now();
         B::fill(&claim.memory, claim.slot, &weight)
             .unwrap_or_else(|e| panic!("uploading `{}`: {e}", weight.name));
         let elapsed = started.elapsed();
+        let prepared = if prepare {
+            B::prepare(&claim.memory, claim.slot, &weight, &device)
+                .unwrap_or_else(|e| panic!("preparing `{}`: {e}", weight.name))
+                .map(|tensor| Prepared {
+                    tensor,
+                    bytes: B::prepared_bytes(&weight),
+                })
+        } else {
+            None
+        };
         st = shared.state.lock().unwrap();
         st.counters.upload += elapsed;
         st.counters.bytes_uploaded += weight.wire_bytes() as u64;
@@ -1223,6 +1305,7 @@ fn loader<B: StreamTarget>(shared: Arc<Shared<B>>) {
             } else {
                 Slot::Free
             };
+            ring.prepared[claim.slot] = prepared;
         }
         shared.changed.notify_all();
     }

@@ -13,6 +13,9 @@ pub struct StepStats {
     pub weight_uses: u64,
     /// Uses served by a slot the loader had filled ahead of time.
     pub prefetched: u64,
+    /// Of the prefetched uses, those whose weight the loader had also decoded ahead of the op
+    /// ([`StreamTarget::prepare`](crate::StreamTarget::prepare)).
+    pub prepared: u64,
     /// Uses whose weight the compute thread fetched itself into a slot (recording step, order
     /// changed, or a policy without lookahead).
     pub on_demand: u64,
@@ -46,7 +49,7 @@ pub struct StepStats {
     /// weight use of a recording step, every 16th of a replayed one).
     pub memory_read_seconds: f64,
     /// Seconds the compute thread spent making the tensors that read ring slots (an FP8
-    /// weight's decode is queued there).
+    /// weight's decode is queued there, unless the loader [`prepared`](Self::prepared) it).
     pub view_seconds: f64,
     /// Seconds from `begin_step` to `end_step`.
     pub step_seconds: f64,

@@ -62,6 +62,27 @@ pub trait StreamTarget: FusedOps {
         device: &Self::Device,
     ) -> FloatTensor<Self>;
 
+    /// Device bytes the [`prepare`](Self::prepare)d form of `weight` takes beside its slot. By
+    /// default none.
+    fn prepared_bytes(_weight: &HostWeight) -> usize {
+        0
+    }
+
+    /// Runs on the loader thread once `slot` holds `weight`: the weight as ops read it, made
+    /// ahead of its use (on CUDA an FP8 payload decoded on the loader's own stream, off the
+    /// compute's), or `None` where ops read the slot through [`view`](Self::view). Returns once
+    /// the slot's bytes are no longer read, so the slot may be refilled whatever becomes of the
+    /// tensor; the engine keeps the tensor alive until a fence after the ops that read it has
+    /// passed. By default `None`.
+    fn prepare(
+        _ring: &Self::Ring,
+        _slot: usize,
+        _weight: &HostWeight,
+        _device: &Self::Device,
+    ) -> Result<Option<FloatTensor<Self>>, OffloadError> {
+        Ok(None)
+    }
+
     /// Whether the [`view`](Self::view) of `weight` reads its slot while the op runs; a view
     /// decoded into a tensor of its own lets the slot go as soon as the decode was submitted.
     fn view_reads_slot(_weight: &HostWeight) -> bool {
@@ -217,6 +238,14 @@ impl SlotMemory {
     }
 
     /// # Safety
+    /// No write to the slot may happen while the returned slice is alive.
+    unsafe fn bytes(&self, len: usize) -> &[u8] {
+        assert!(len <= self.layout.size(), "slot too small");
+        // SAFETY: in bounds; the absence of writers is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), len) }
+    }
+
+    /// # Safety
     /// No tensor may read the slot while the returned slice is alive.
     #[allow(clippy::mut_from_ref)]
     unsafe fn bytes_mut(&self, len: usize) -> &mut [u8] {
@@ -278,9 +307,10 @@ impl StreamTarget for Flex {
         Ok(Box::new(bytes))
     }
 
-    /// The slot holds the decoded weight: Flex computes on it in place.
+    /// The slot holds the wire payload, as on CUDA: a weight in its own dtype is computed on in
+    /// place, another is decoded from it.
     fn slot_bytes(weight: &HostWeight) -> usize {
-        weight.device_bytes()
+        weight.wire_bytes()
     }
 
     fn new_ring(
@@ -297,10 +327,10 @@ impl StreamTarget for Flex {
     }
 
     fn fill(ring: &HostRing, slot: usize, weight: &HostWeight) -> Result<(), OffloadError> {
-        let decoded = weight.decode();
+        let payload = weight.memory.bytes();
         // SAFETY: the engine fills a slot only after the lease that read it was released.
-        let dst = unsafe { ring.slots[slot].bytes_mut(decoded.bytes.len()) };
-        dst.copy_from_slice(&decoded.bytes);
+        let dst = unsafe { ring.slots[slot].bytes_mut(payload.len()) };
+        dst.copy_from_slice(payload);
         Ok(())
     }
 
@@ -316,6 +346,12 @@ impl StreamTarget for Flex {
         weight: &HostWeight,
         device: &Self::Device,
     ) -> FloatTensor<Self> {
+        if weight.encoding != Encoding::Native {
+            // SAFETY: the slot holds this weight's payload, and the engine fills it again only
+            // after this use's lease was released.
+            let payload = unsafe { ring.slots[slot].bytes(weight.wire_bytes()) };
+            return Flex::float_from_data(weight.decode_bytes(payload), device);
+        }
         let len = weight.device_bytes();
         let view = SlotView {
             memory: ring.slots[slot].clone(),
@@ -325,6 +361,29 @@ impl StreamTarget for Flex {
         let bytes = unsafe { Bytes::from_controller(Box::new(view), len) };
         let data = TensorData::from_bytes(bytes, weight.shape.clone(), weight.dtype);
         Flex::float_from_data(data, device)
+    }
+
+    /// The decoded weight, for one sent in another format than its dtype.
+    fn prepared_bytes(weight: &HostWeight) -> usize {
+        match weight.encoding {
+            Encoding::Native => 0,
+            _ => weight.device_bytes(),
+        }
+    }
+
+    /// A weight sent in another format than its dtype, decoded by the loader thread.
+    fn prepare(
+        ring: &HostRing,
+        slot: usize,
+        weight: &HostWeight,
+        device: &Self::Device,
+    ) -> Result<Option<FloatTensor<Self>>, OffloadError> {
+        Ok((weight.encoding != Encoding::Native).then(|| Self::view(ring, slot, weight, device)))
+    }
+
+    /// Only a weight in its own dtype: another is decoded into a tensor of its own.
+    fn view_reads_slot(weight: &HostWeight) -> bool {
+        weight.encoding == Encoding::Native
     }
 
     /// A weight sent as bfloat16 stays so, and is cast at each use.

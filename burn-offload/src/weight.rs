@@ -164,7 +164,11 @@ impl HostWeight {
 
     /// The weight decoded on the host, in its dtype.
     pub fn decode(&self) -> TensorData {
-        let bytes = self.memory.bytes();
+        self.decode_bytes(self.memory.bytes())
+    }
+
+    /// The weight decoded on the host from `bytes`, a copy of its wire payload, in its dtype.
+    pub fn decode_bytes(&self, bytes: &[u8]) -> TensorData {
         let values: Vec<f32> = match &self.encoding {
             Encoding::Native => {
                 return TensorData::from_bytes_vec(bytes.to_vec(), self.shape.clone(), self.dtype);

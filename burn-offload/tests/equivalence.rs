@@ -219,3 +219,38 @@ fn fp8_wire_formats_equal_the_cpu_dequantized_model() {
         );
     }
 }
+
+#[test]
+fn fp8_weights_decoded_ahead_by_the_loader_train_the_same() {
+    let expected = fp8_reference(Fp8Format::E5M2);
+    for (decode_ahead, retain_window) in [(false, 32), (true, 0), (true, 32)] {
+        let config = ring_of_two()
+            .with_wire(WireFormat::E5M2)
+            .with_retain_window(retain_window)
+            .with_decode_ahead(decode_ahead);
+        let (records, stats) =
+            streamed::<Autodiff<Offload<Flex>>>(DType::F32, Recompute::Off, config);
+        let case = format!("decode_ahead {decode_ahead}, retain_window {retain_window}");
+        assert_eq!(records, expected, "{case}");
+        // The recording step fetches on demand. In the replayed ones the loader decodes every
+        // prefetched weight, but for the first use of a weight kept for its second: the compute
+        // decodes that one into the copy it keeps.
+        assert_eq!(stats[0].prepared, 0, "{case}");
+        for s in &stats[1..] {
+            let prepared = if decode_ahead {
+                s.prefetched - s.kept
+            } else {
+                0
+            };
+            assert_eq!(s.prepared, prepared, "{case}: {s:?}");
+            assert_eq!(s.prepared > 0, decode_ahead, "{case}");
+        }
+    }
+    // A weight in its own dtype has nothing to decode.
+    let (_, stats) = streamed::<Autodiff<Offload<Flex>>>(
+        DType::F32,
+        Recompute::Off,
+        ring_of_two().with_decode_ahead(true),
+    );
+    assert!(stats.iter().all(|s| s.prepared == 0));
+}

@@ -190,6 +190,19 @@ fn impossible_values_say_what_is_allowed() {
 }
 
 #[test]
+fn decoding_ahead_is_off_unless_asked_for() {
+    let c = case(GOOD);
+    assert!(!load(&c.file, &[]).unwrap().model.decode_ahead);
+    let env = [("BURNLORA_MODEL__OFFLOAD__DECODE_AHEAD", "true")];
+    assert!(load(&c.file, &env).unwrap().model.decode_ahead);
+    let (field, _) = problem(&with_line(
+        "vram_budget_gb:",
+        "vram_budget_gb: 12\n    decode_ahead: often",
+    ));
+    assert_eq!(field, "model.offload.decode_ahead");
+}
+
+#[test]
 fn a_budget_of_0_streams_everything_and_a_negative_one_is_refused() {
     let c = case(&with_line("vram_budget_gb:", "vram_budget_gb: 0"));
     let plan = load(&c.file, &[]).unwrap();

@@ -22,9 +22,9 @@ use crate::weight::{Encoding, HostMemory, HostWeight};
 /// the `cuda` feature, Burn's CUDA backend without fusion. Its fused kernels
 /// ([`FusedOps`]) serve the decorator's models.
 ///
-/// The engine calls these functions; it decides when, they do the work. `fill` and `poison` run
-/// on the loader thread (or on the compute thread for on-demand fetches), all others on the
-/// compute thread.
+/// The engine calls these functions; it decides when, they do the work. `fill`, `poison` and
+/// `prepare` run on the loader thread (the first two also on the compute thread, for on-demand
+/// fetches), all others on the compute thread.
 pub trait StreamTarget: FusedOps {
     /// The slots of one ring on one device.
     type Ring: Send + Sync + 'static;

@@ -7,7 +7,8 @@
 //! Build here, run on the GPU machine (see benches/RESULTS.md, section "Offload (issue 4)"):
 //! `cargo build --release --features cuda --bench offload`, then
 //! `offload-<hash> --pairs 160 --tokens 4608 --budgets 0,12,24 --wires bf16,e5m2`.
-//! `--check` first compares streamed and resident outputs bit for bit (and FP8 against bf16).
+//! `--check` first compares streamed and resident outputs bit for bit (and FP8 against bf16);
+//! `--decode-ahead` has the loader decode the FP8 weights ahead of their use.
 
 use std::time::Instant;
 
@@ -66,6 +67,7 @@ struct Args {
     steps: usize,
     budgets_gb: Vec<f64>,
     wires: Vec<WireFormat>,
+    decode_ahead: bool,
     check: bool,
 }
 
@@ -82,6 +84,7 @@ impl Args {
             steps: 3,
             budgets_gb: vec![0.0, 12.0, 24.0],
             wires: vec![WireFormat::Native, WireFormat::E5M2],
+            decode_ahead: false,
             check: false,
         };
         let mut it = std::env::args().skip(1);
@@ -111,6 +114,7 @@ impl Args {
                         })
                         .collect()
                 }
+                "--decode-ahead" => args.decode_ahead = true,
                 "--check" => args.check = true,
                 // cargo bench passes --bench
                 "--bench" => {}
@@ -280,6 +284,7 @@ fn config(args: &Args, wire: WireFormat) -> OffloadConfig {
     OffloadConfig::default()
         .with_ring_slots(args.slots)
         .with_wire(wire)
+        .with_decode_ahead(args.decode_ahead)
 }
 
 fn wire_name(wire: WireFormat) -> &'static str {
@@ -291,13 +296,20 @@ fn wire_name(wire: WireFormat) -> &'static str {
 }
 
 /// Streamed and resident outputs of a small stack must be identical (same kernels, same
-/// weights, slots poisoned on release); prints how far the e5m2 stack is from the bf16 one.
+/// weights, slots poisoned on release), e5m2 decoded at each use and by the loader alike;
+/// prints how far the e5m2 stack is from the bf16 one.
 fn check(args: &Args, device: &burn::tensor::Device<Cuda>) {
     type B = Autodiff<Offload<Cuda>>;
     let mut outputs = Vec::new();
-    for wire in [WireFormat::Native, WireFormat::E5M2] {
-        let stream =
-            WeightStream::<B>::new(device, config(args, wire).with_poisoning(true)).unwrap();
+    for (wire, decode_ahead) in [
+        (WireFormat::Native, false),
+        (WireFormat::E5M2, false),
+        (WireFormat::E5M2, true),
+    ] {
+        let config = config(args, wire)
+            .with_decode_ahead(decode_ahead)
+            .with_poisoning(true);
+        let stream = WeightStream::<B>::new(device, config).unwrap();
         let model = build(&stream, args, device);
         let x = input::<B>(args, device);
         let mut per_budget = Vec::new();
@@ -307,7 +319,8 @@ fn check(args: &Args, device: &burn::tensor::Device<Cuda>) {
                 .unwrap();
             for _ in 0..2 {
                 let (_, stats, out) = step(&stream, &model, &x, true);
-                eprintln!("check {} budget {budget}: {stats:?}", wire_name(wire));
+                let wire = wire_name(wire);
+                eprintln!("check {wire} decode_ahead {decode_ahead} budget {budget}: {stats:?}");
                 per_budget.push(out.unwrap());
             }
         }
@@ -324,6 +337,12 @@ fn check(args: &Args, device: &burn::tensor::Device<Cuda>) {
         assert!(values.iter().all(|v| v.is_finite()), "non-finite output");
         outputs.push(values);
     }
+    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&outputs[2]),
+        bits(&outputs[1]),
+        "e5m2 decoded by the loader differs from e5m2 decoded at each use"
+    );
     let (exact, fp8) = (&outputs[0], &outputs[1]);
     let err = exact
         .iter()
@@ -332,7 +351,7 @@ fn check(args: &Args, device: &burn::tensor::Device<Cuda>) {
         .sum::<f32>()
         / exact.iter().map(|a| a.abs()).sum::<f32>();
     println!(
-        "check: streamed == resident bit for bit (bf16 and e5m2); e5m2 vs bf16 mean relative error {err:.4}"
+        "check: streamed == resident bit for bit (bf16, e5m2, e5m2 decoded ahead); e5m2 vs bf16 mean relative error {err:.4}"
     );
 }
 

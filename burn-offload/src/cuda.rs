@@ -648,36 +648,6 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement> StreamTarget
         weight.encoding == Encoding::Native
     }
 
-    /// The decoded weight, for one sent in another format than its dtype.
-    fn prepared_bytes(weight: &HostWeight) -> usize {
-        if weight.encoding == Encoding::Native {
-            0
-        } else {
-            weight.device_bytes()
-        }
-    }
-
-    /// A weight sent in another format than its dtype, decoded on the loader thread's stream:
-    /// CubeCL gives each thread a stream of its own and orders the compute's reads of the
-    /// decoded tensor after the decode. Waits for the decode, which then no longer reads the
-    /// slot.
-    fn prepare(
-        ring: &CudaRing,
-        slot: usize,
-        weight: &HostWeight,
-        device: &CudaDevice,
-    ) -> Result<Option<FloatTensor<Self>>, OffloadError> {
-        if weight.encoding == Encoding::Native {
-            return Ok(None);
-        }
-        let decoded = decode::<F, I, BT>(&ring.slots[slot].0, weight, device);
-        block_on(CudaRuntime::client(device).sync()).map_err(|e| OffloadError::Device {
-            action: "decoding a weight on the loader's stream",
-            reason: format!("{e:?}"),
-        })?;
-        Ok(Some(decoded))
-    }
-
     /// The wire payload, for a weight sent in another format than its dtype and larger than
     /// [`SMALL`].
     fn compact_bytes(weight: &HostWeight) -> usize {

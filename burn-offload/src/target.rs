@@ -62,25 +62,37 @@ pub trait StreamTarget: FusedOps {
         device: &Self::Device,
     ) -> FloatTensor<Self>;
 
-    /// Device bytes the [`prepare`](Self::prepare)d form of `weight` takes beside its slot. By
-    /// default none.
-    fn prepared_bytes(_weight: &HostWeight) -> usize {
-        0
+    /// Device bytes the [`prepare`](Self::prepare)d form of `weight` takes beside its slot: its
+    /// decoded size where its [`view`](Self::view) is a tensor of its own, else none.
+    fn prepared_bytes(weight: &HostWeight) -> usize {
+        if Self::view_reads_slot(weight) {
+            0
+        } else {
+            weight.device_bytes()
+        }
     }
 
     /// Runs on the loader thread once `slot` holds `weight`: the weight as ops read it, made
-    /// ahead of its use (on CUDA an FP8 payload decoded on the loader's own stream, off the
-    /// compute's), or `None` where ops read the slot through [`view`](Self::view). Returns once
-    /// the slot's bytes are no longer read, so the slot may be refilled whatever becomes of the
-    /// tensor; the engine keeps the tensor alive until a fence after the ops that read it has
-    /// passed. By default `None`.
+    /// ahead of its use, or `None` where ops read the slot in place. Returns once the slot's
+    /// bytes are no longer read, so the slot may be refilled whatever becomes of the tensor; the
+    /// engine keeps the tensor alive until a fence after the ops that read it has passed. By
+    /// default the [`view`](Self::view) of a weight decoded into a tensor of its own, made on
+    /// the loader thread (on CUDA, on its own stream, off the compute's) and waited for.
     fn prepare(
-        _ring: &Self::Ring,
-        _slot: usize,
-        _weight: &HostWeight,
-        _device: &Self::Device,
+        ring: &Self::Ring,
+        slot: usize,
+        weight: &HostWeight,
+        device: &Self::Device,
     ) -> Result<Option<FloatTensor<Self>>, OffloadError> {
-        Ok(None)
+        if Self::view_reads_slot(weight) {
+            return Ok(None);
+        }
+        let decoded = Self::view(ring, slot, weight, device);
+        Self::sync(device).map_err(|e| OffloadError::Device {
+            action: "decoding a weight on the loader thread",
+            reason: format!("{e:?}"),
+        })?;
+        Ok(Some(decoded))
     }
 
     /// Whether the [`view`](Self::view) of `weight` reads its slot while the op runs; a view
@@ -361,24 +373,6 @@ impl StreamTarget for Flex {
         let bytes = unsafe { Bytes::from_controller(Box::new(view), len) };
         let data = TensorData::from_bytes(bytes, weight.shape.clone(), weight.dtype);
         Flex::float_from_data(data, device)
-    }
-
-    /// The decoded weight, for one sent in another format than its dtype.
-    fn prepared_bytes(weight: &HostWeight) -> usize {
-        match weight.encoding {
-            Encoding::Native => 0,
-            _ => weight.device_bytes(),
-        }
-    }
-
-    /// A weight sent in another format than its dtype, decoded by the loader thread.
-    fn prepare(
-        ring: &HostRing,
-        slot: usize,
-        weight: &HostWeight,
-        device: &Self::Device,
-    ) -> Result<Option<FloatTensor<Self>>, OffloadError> {
-        Ok((weight.encoding != Encoding::Native).then(|| Self::view(ring, slot, weight, device)))
     }
 
     /// Only a weight in its own dtype: another is decoded into a tensor of its own.

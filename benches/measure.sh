@@ -6,13 +6,15 @@
 #   flux NAME [VAR=VALUE ...]     # burnlora train examples/flux/bench.yaml, 6 steps
 #   sdxl NAME [VAR=VALUE ...]     # burnlora train examples/sdxl/bench.yaml, 6 steps
 #   job NAME COMMAND ...          # any command
+#   pack                          # the logs into $LOGS/logs.tgz, at the end of a device call
 #
 # VARs override the config (`BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB=12`); $F12 and $S4 hold
 # the rows of benches/RESULTS.md: FLUX.1 within 12 GB with e5m2 on the bus, SDXL within 4 GB
 # with e5m2 and adamw8bit. A job runs at most $TIMEOUT seconds (default 600). Its output goes
 # to $LOGS/NAME.log (default ./measure), nvidia-smi's used device memory every 0.2 s to
 # $LOGS/NAME.mem, and $LOGS/summary.txt gets its exit status, wall time, peak MiB and the
-# lines that carry step times and errors.
+# lines that carry step times and errors. A device call brings back only a few files from
+# $OUT, so `pack` gathers every log and memory trace into one archive.
 F12="BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB=12 BURNLORA_MODEL__QUANTIZE=e5m2"
 S4="BURNLORA_MODEL__OFFLOAD__VRAM_BUDGET_GB=4 BURNLORA_MODEL__QUANTIZE=e5m2 BURNLORA_TRAIN__OPTIMIZER=adamw8bit"
 LOGS=${LOGS:-measure}
@@ -58,4 +60,9 @@ sdxl() {
   local name=$1
   shift
   train "$name" examples/sdxl/bench.yaml "$@"
+}
+
+# pack: every job's log and memory trace into $LOGS/logs.tgz, leaving summary.txt beside it.
+pack() {
+  (cd "$LOGS" && tar czf logs.tgz --remove-files -- *.log *.mem)
 }
